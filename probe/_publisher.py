@@ -1,0 +1,233 @@
+"""The publisher thread: the only code that touches the ZeroMQ socket.
+
+Hooks append `Staged` descriptors to a deque and return; this thread encodes headers,
+sends the four frames and frees ring space once ZeroMQ no longer needs it. It sleeps
+in `zmq.Poller` on the socket (for subscription messages) and a self-pipe doorbell
+that producers ring at most once per forward step, so a decode step costs one wake-up,
+not one per capture.
+
+The socket is XPUB with XPUB_NODROP: ZeroMQ never drops silently at the high-water
+mark; a full pipe makes the send fail with EAGAIN. `complete` retries (back-pressure
+reaches the hooks through the bounded ring), `best_effort` counts the capture as dropped.
+Subscribers announce themselves with a private presence topic, so the publisher can
+count them (`wait_for_subscribers`) without any extra socket.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from ._staging import StagingRing
+from ._wire import encode_header
+
+PRESENCE = b"\x00probebus/subscriber/"
+ZERO_COPY_MIN = zmq.COPY_THRESHOLD  # below this pyzmq copies anyway; a memcpy beats a tracker
+
+
+@dataclass(slots=True)
+class Staged:
+    """One capture waiting to be sent."""
+
+    topic: bytes
+    layer: int
+    step: int
+    phase: int
+    dtype: int
+    hidden: int
+    n: int
+    tokens: np.ndarray  # int64 [3, n], owned (never reused)
+    data: np.ndarray  # uint8 bytes of the payload (a ring slice unless in_ring is False)
+    in_ring: bool
+    event: object = None  # torch.cuda.Event gating a device-to-host copy
+
+
+class Publisher:
+    def __init__(self, endpoint: str, *, run: str, policy: str, ring: StagingRing, sndhwm: int,
+                 curve_secret_key: bytes | None = None) -> None:
+        self.requested_endpoint = endpoint
+        self.endpoint = ""
+        self.run = run.encode()
+        self.complete = policy == "complete"
+        self.ring = ring
+        self.sndhwm = sndhwm
+        self.curve_secret_key = curve_secret_key
+        self.queue: deque[Staged] = deque()
+        self.published = 0
+        self.dropped = 0
+        self.bytes = 0
+        self.subscribers: set[bytes] = set()
+        self._sub_cond = threading.Condition()
+        self._sleeping = False
+        self._closing = False
+        self._abort = False
+        self._linger_ms = 30_000
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="probebus-publisher", daemon=True)
+
+    # --- producer side -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            os.close(self._rfd)
+            os.close(self._wfd)
+            raise self._error
+
+    def submit(self, item: Staged) -> None:
+        self.queue.append(item)
+
+    def kick(self) -> None:
+        """Wake the thread if it sleeps (cheap no-op otherwise)."""
+        if self._sleeping:
+            try:
+                os.write(self._wfd, b"!")
+            except (BlockingIOError, OSError):
+                pass
+
+    def wait_for_subscribers(self, n: int, timeout: float | None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._sub_cond:
+            while len(self.subscribers) < n:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self.kick()
+                self._sub_cond.wait(0.05 if left is None else min(left, 0.05))
+            return len(self.subscribers)
+
+    def close(self, timeout: float) -> bool:
+        """Send everything queued, then close. False if it had to give up after `timeout`."""
+        self._linger_ms = int(timeout * 1000)
+        self._closing = True
+        self._sleeping = True
+        self.kick()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._abort = True
+            self.ring.close()
+            self._thread.join(5)
+        os.close(self._rfd)
+        os.close(self._wfd)
+        return not self._abort
+
+    # --- publisher thread ------------------------------------------------------------
+    def _main(self) -> None:
+        ctx = zmq.Context(io_threads=1)
+        sock = ctx.socket(zmq.XPUB)
+        try:
+            sock.setsockopt(zmq.XPUB_NODROP, 1)
+            sock.setsockopt(zmq.SNDHWM, self.sndhwm)
+            if self.curve_secret_key is not None:
+                sock.curve_secretkey = self.curve_secret_key
+                sock.curve_server = True
+            sock.bind(self.requested_endpoint)
+            self.endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        except BaseException as exc:  # surfaced to attach() in the caller's thread
+            self._error = exc
+            sock.close(0)
+            ctx.term()
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(sock)
+        finally:
+            sock.close(self._linger_ms if not self._abort else 0)
+            ctx.term()
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._rfd, zmq.POLLIN)
+        pending: deque[zmq.MessageTracker | None] = deque()
+        queue = self.queue
+        while not self._abort:
+            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._read_subscriptions(sock)
+            if queue:
+                self._send(sock, queue.popleft(), pending)
+                self._release_done(pending)
+                continue
+            self._release_done(pending)
+            if self._closing:
+                break
+            self._sleeping = True
+            if queue:  # raced with a producer that saw us awake
+                self._sleeping = False
+                continue
+            poller.poll(1 if pending else 1000)
+            self._sleeping = False
+            try:
+                os.read(self._rfd, 4096)
+            except BlockingIOError:
+                pass
+        # Flushing: zero-copy frames must stay valid until ZeroMQ has sent them.
+        deadline = time.monotonic() + self._linger_ms / 1000
+        while pending and not self._abort and time.monotonic() < deadline:
+            self._release_done(pending)
+            time.sleep(0.001)
+
+    def _read_subscriptions(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                msg = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if msg[1:].startswith(PRESENCE):
+                with self._sub_cond:
+                    (self.subscribers.add if msg[:1] == b"\x01" else self.subscribers.discard)(msg[1:])
+                    self._sub_cond.notify_all()
+
+    def _send(self, sock: zmq.Socket, item: Staged, pending: deque) -> None:
+        if not item.topic:  # tombstone: a slot whose copy failed; just free it in order
+            pending.append(None)
+            return
+        if item.event is not None:
+            item.event.synchronize()  # the device-to-host copy has landed
+        header = encode_header(self.run, item.topic, item.phase, item.dtype, item.step, item.layer, item.hidden, item.n)
+        nbytes = item.data.nbytes
+        sent = self._send_first(sock, item.topic)
+        tracker = None
+        if sent:
+            sock.send(header, zmq.SNDMORE)
+            tok = item.tokens
+            sock.send(tok, zmq.SNDMORE, copy=tok.nbytes < ZERO_COPY_MIN)
+            if nbytes >= ZERO_COPY_MIN and item.in_ring:
+                tracker = sock.send(item.data, copy=False, track=True)
+            else:
+                sock.send(item.data, copy=nbytes < ZERO_COPY_MIN)
+            self.published += 1
+            self.bytes += nbytes
+        else:
+            self.dropped += 1
+        if item.in_ring:
+            pending.append(tracker)
+
+    def _send_first(self, sock: zmq.Socket, topic: bytes) -> bool:
+        """Send the topic frame; False if best_effort had to drop (or we are aborting)."""
+        delay = 0.0002
+        while True:
+            try:
+                sock.send(topic, zmq.SNDMORE | zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                if not self.complete or self._abort:
+                    return False
+                time.sleep(delay)  # back-pressure from a slow subscriber
+                delay = min(delay * 2, 0.005)
+
+    def _release_done(self, pending: deque) -> None:
+        while pending and (pending[0] is None or pending[0].done):
+            pending.popleft()
+            self.ring.release_oldest()
