@@ -1,0 +1,54 @@
+"""Loading a target model for the CLI: `default`, a local folder, or a hub id.
+
+    model, tok = load_model("default")          # the shipped trained model, fp32, eval
+    config = load_config("path/or/config.json")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def resolve(name: str) -> str:
+    """Map `default` to the shipped folder; anything else is returned unchanged."""
+    if name == "default":
+        from probebus.models import resolve_model
+
+        return resolve_model(name)
+    return name
+
+
+def load_config(name: str):  # noqa: ANN201 - a transformers PretrainedConfig
+    from transformers import AutoConfig
+
+    path = Path(resolve(name))
+    if path.is_file() and path.suffix == ".json":
+        return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" else \
+            AutoConfig.for_model(**__import__("json").loads(path.read_text()))
+    return AutoConfig.from_pretrained(str(path))
+
+
+def load_model(name: str, *, dtype: torch.dtype = torch.float32, need_tokenizer: bool = True):  # noqa: ANN201
+    """(model, tokenizer) in eval mode; tokenizer is None if absent and not needed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as exc:
+        raise SystemExit(f"cannot load model {name!r}: {exc}\nPass a local folder with config.json and "
+                         "weights, or `default` for the shipped model (no downloads happen here).") from None
+    model.eval()
+    tok = None
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        if need_tokenizer:
+            raise SystemExit(f"model {name!r} has no tokenizer files; text prompts need one") from None
+    if tok is not None:
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+    return model, tok
