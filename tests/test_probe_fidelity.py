@@ -1,0 +1,139 @@
+"""Every published activation equals the oracle: transformers' own output_hidden_states
+(and plain forward hooks) on a full, unpadded forward of the same sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import EOS, FAMILIES, PAD, build, left_padded
+
+import probe
+
+PROMPTS = [[5, 17, 33, 9], [40, 41, 42, 43, 44, 45, 46], [7, 8]]
+NEW_TOKENS = 8
+
+
+def _oracle(model: torch.nn.Module, seq: list[int]) -> dict[str, torch.Tensor]:
+    """Activations of one unpadded sequence: hidden_states from transformers, sub-layer outputs from hooks."""
+    arch = probe.resolve_arch(model)
+    got: dict[str, torch.Tensor] = {}
+    handles = []
+    for name, (path, kind) in arch.inner.items():
+        if name == "resid_mid":
+            continue
+        for i, layer in enumerate(arch.layers):
+            def keep(mod, args, out, key=f"layers.{i}.{name}"):
+                got[key] = (out[0] if isinstance(out, tuple) else out)[0].detach()
+            handles.append(layer.get_submodule(path).register_forward_hook(keep))
+    with torch.no_grad():
+        out = model(torch.tensor([seq]), output_hidden_states=True)
+    for h in handles:
+        h.remove()
+    hs = out.hidden_states
+    n_layers = arch.n_layers
+    for i in range(n_layers):
+        got[f"layers.{i}.resid_pre"] = hs[i][0]
+        if i < n_layers - 1:
+            got[f"layers.{i}.resid_post"] = hs[i + 1][0]
+    got["final_norm"] = hs[n_layers][0]
+    got["logits"] = out.logits[0]
+    return got
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_generate_left_padded_batch_matches_oracle(family: str) -> None:
+    model = build(family)
+    ids, mask = left_padded(PROMPTS)
+    # Pick an EOS that row 0 will really emit at its 3rd new token, so finished-row stripping is exercised.
+    with torch.no_grad():
+        free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                              eos_token_id=None, pad_token_id=PAD)
+    eos = int(free[0, ids.shape[1] + 2])
+    model.generation_config.eos_token_id = eos
+    sites = ["layers.*.resid_pre", "layers.*.resid_post", "layers.*.attn_out", "layers.*.mlp_out", "final_norm"]
+    if "resid_mid" in probe.resolve_arch(model).inner:
+        sites.append("layers.*.resid_mid")
+    with probe.attach(model, sites) as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1)
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=PAD)
+    stats = session.stats
+    caps = list(sub.iter(idle_timeout=1.0))
+    sub.close()
+
+    # The real token sequence of each row: prompt + generated up to and including EOS.
+    seqs = []
+    for b, p in enumerate(PROMPTS):
+        new = gen[b, ids.shape[1]:].tolist()
+        if eos in new:
+            new = new[: new.index(eos) + 1]
+        seqs.append(p + new)
+    assert len(seqs[0]) <= len(PROMPTS[0]) + 3, "row 0 should have finished early"
+    oracles = [_oracle(model, s) for s in seqs]
+    site_names = probe.match_sites(model, sites)
+
+    seen: dict[tuple[str, int, int], int] = {}
+    seq_ids = sorted({int(s) for c in caps for s in c.seq_ids})
+    assert len(seq_ids) == 3 and seq_ids == list(range(seq_ids[0], seq_ids[0] + 3)), "consecutive ids in row order"
+    for cap in caps:
+        assert cap.tensor.shape[1] == 64 and cap.tensor.dtype == torch.float32
+        for row in range(cap.n_tokens):
+            b = int(cap.seq_ids[row]) - seq_ids[0]
+            pos = int(cap.positions[row])
+            key = (cap.site, b, pos)
+            assert key not in seen, f"duplicate capture {key}"
+            seen[key] = 1
+            # The last fed token is the one before the final real token; padding never appears.
+            assert pos < len(seqs[b]) - 1, f"{cap.site}: position {pos} of row {b} should not be published"
+            assert int(cap.token_ids[row]) == seqs[b][pos]
+            want = oracles[b].get(cap.site)
+            if cap.site.endswith("resid_mid"):
+                layer = cap.layer
+                want = oracles[b][f"layers.{layer}.resid_pre"] + oracles[b][f"layers.{layer}.attn_out"]
+            if want is None:  # resid_post of the last layer: the oracle only has it after the final norm
+                arch = probe.resolve_arch(model)
+                got = arch.final_norm(cap.tensor[row : row + 1].clone())[0]
+                torch.testing.assert_close(got, oracles[b]["final_norm"][pos], atol=1e-4, rtol=1e-4)
+                continue
+            torch.testing.assert_close(cap.tensor[row], want[pos], atol=1e-4, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+    # Exact counts: every site x every real fed token, nothing more.
+    expected = sum(len(s) - 1 for s in seqs) * len(site_names)
+    assert len(seen) == expected
+    assert stats.captured == stats.published == len(caps) and stats.dropped == 0
+    assert sum(c.n_tokens for c in caps) == expected
+    assert {c.phase for c in caps} == {"prefill", "decode"}
+
+
+def test_logits_under_generate_keep_only_last_position() -> None:
+    model = build("llama")
+    ids, mask = left_padded(PROMPTS)
+    with probe.attach(model, "logits") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                           eos_token_id=None, pad_token_id=PAD)
+    caps = list(sub.iter(idle_timeout=1.0))
+    prefill = [c for c in caps if c.phase == "prefill"]
+    assert len(prefill) == 1 and prefill[0].positions.tolist() == [len(p) - 1 for p in PROMPTS]
+    assert prefill[0].tensor.shape == (3, 128)
+    with torch.no_grad():
+        full = model(torch.tensor([PROMPTS[1]])).logits[0, -1]
+    torch.testing.assert_close(prefill[0].tensor[1], full, atol=1e-4, rtol=1e-4)
+
+
+def test_right_padded_plain_forward_strips_padding() -> None:
+    model = build("qwen3")
+    ids = torch.tensor([[5, 6, 7, PAD, PAD], [9, 10, 11, 12, 13]])
+    mask = (torch.arange(5) < torch.tensor([[3], [5]])).long()
+    with probe.attach(model, "layers.1.resid_post") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1)
+        with torch.no_grad():
+            model(ids, attention_mask=mask)
+    (cap,) = list(sub.iter(idle_timeout=1.0))
+    assert cap.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert cap.token_ids.tolist() == [5, 6, 7, 9, 10, 11, 12, 13]
+    assert EOS not in cap.token_ids.tolist()
