@@ -28,6 +28,7 @@ from ._staging import StagingRing
 from ._wire import encode_header
 
 PRESENCE = b"\x00probebus/subscriber/"
+END_OF_STREAM = b"probebus:end-of-stream"
 ZERO_COPY_MIN = zmq.COPY_THRESHOLD  # below this pyzmq copies anyway; a memcpy beats a tracker
 
 
@@ -72,6 +73,7 @@ class Publisher:
         os.set_blocking(self._rfd, False)
         os.set_blocking(self._wfd, False)
         self._ready = threading.Event()
+        self._flushed = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="probebus-publisher", daemon=True)
 
@@ -80,8 +82,6 @@ class Publisher:
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
-            os.close(self._rfd)
-            os.close(self._wfd)
             raise self._error
 
     def submit(self, item: Staged) -> None:
@@ -89,7 +89,7 @@ class Publisher:
 
     def kick(self) -> None:
         """Wake the thread if it sleeps (cheap no-op otherwise)."""
-        if self._sleeping:
+        if self._sleeping and self._wfd >= 0:
             try:
                 os.write(self._wfd, b"!")
             except (BlockingIOError, OSError):
@@ -107,19 +107,23 @@ class Publisher:
             return len(self.subscribers)
 
     def close(self, timeout: float) -> bool:
-        """Send everything queued, then close. False if it had to give up after `timeout`."""
+        """Send everything queued; False if it had to give up after `timeout`.
+
+        Returns once every capture is handed to ZeroMQ. The socket itself stays open in
+        the background until each subscriber has acknowledged the end-of-stream (or
+        left), at most `timeout` seconds: closing an ipc:// socket under a lagging
+        reader makes the kernel hang up on it and libzmq drop what it had not read yet.
+        """
         self._linger_ms = int(timeout * 1000)
         self._closing = True
         self._sleeping = True
         self.kick()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._flushed.wait(timeout):
             self._abort = True
             self.ring.close()
-            self._thread.join(5)
-        os.close(self._rfd)
-        os.close(self._wfd)
-        return not self._abort
+            self._flushed.wait(5)
+            return False
+        return True
 
     # --- publisher thread ------------------------------------------------------------
     def _main(self) -> None:
@@ -137,14 +141,23 @@ class Publisher:
             self._error = exc
             sock.close(0)
             ctx.term()
+            os.close(self._rfd)
+            os.close(self._wfd)
+            self._wfd = -1
             self._ready.set()
             return
         self._ready.set()
         try:
             self._loop(sock)
+            self._flushed.set()
+            self._end_of_stream(sock)
         finally:
+            self._flushed.set()
             sock.close(self._linger_ms if not self._abort else 0)
             ctx.term()
+            wfd, self._wfd = self._wfd, -1
+            os.close(wfd)
+            os.close(self._rfd)
 
     def _loop(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
@@ -177,6 +190,21 @@ class Publisher:
         while pending and not self._abort and time.monotonic() < deadline:
             self._release_done(pending)
             time.sleep(0.001)
+
+    def _end_of_stream(self, sock: zmq.Socket) -> None:
+        """Tell each subscriber the stream ended; wait until they all acknowledge or leave."""
+        deadline = time.monotonic() + self._linger_ms / 1000
+        for presence in list(self.subscribers):
+            while not self._abort and time.monotonic() < deadline:
+                try:
+                    sock.send_multipart([presence, END_OF_STREAM], zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    time.sleep(0.002)
+        # A subscriber acknowledges by dropping its presence topic after reading the end.
+        while self.subscribers and not self._abort and time.monotonic() < deadline:
+            if sock.poll(50, zmq.POLLIN):
+                self._read_subscriptions(sock)
 
     def _read_subscriptions(self, sock: zmq.Socket) -> None:
         while True:

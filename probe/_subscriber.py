@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from ._publisher import PRESENCE
+from ._publisher import END_OF_STREAM, PRESENCE
 from ._sites import SiteMatcher
 from ._wire import Header, WireError, decode_header
 
@@ -90,17 +90,23 @@ class Subscriber:
         for topic in self.matcher.topics():
             self._sock.setsockopt(zmq.SUBSCRIBE, topic)
         # Subscribed last: once the publisher sees it, all topic filters above are in place.
-        self._sock.setsockopt(zmq.SUBSCRIBE, PRESENCE + uuid.uuid4().hex.encode())
+        self._presence = PRESENCE + uuid.uuid4().hex.encode()
+        self._sock.setsockopt(zmq.SUBSCRIBE, self._presence)
         self._sock.connect(endpoint)
         self._closed = False
+        self.ended = False  # the session closed and everything it published has been received
 
     def recv(self, timeout: float | None = None) -> Capture | None:
-        """Next capture, or None after `timeout` seconds (None waits forever)."""
+        """Next capture; None after `timeout` seconds (None: wait forever) or at end of stream."""
         deadline_ms = None if timeout is None else int(timeout * 1000)
-        while True:
-            if deadline_ms is not None and not self._sock.poll(deadline_ms):
+        while not self.ended:
+            if not self._sock.poll(deadline_ms if deadline_ms is not None else -1):
                 return None
             frames = self._sock.recv_multipart(copy=False)
+            if len(frames) == 2 and frames[0].bytes == self._presence and frames[1].bytes == END_OF_STREAM:
+                self.ended = True  # acknowledge, so the publisher may close its socket
+                self._sock.setsockopt(zmq.UNSUBSCRIBE, self._presence)
+                return None
             try:
                 cap = parse_capture(frames)
             except WireError as exc:
@@ -114,15 +120,14 @@ class Subscriber:
             self.stats.received += 1
             self.stats.bytes += len(frames[3])
             return cap
+        return None
 
     def __iter__(self) -> Iterator[Capture]:
-        while not self._closed:
-            cap = self.recv(timeout=0.2)
-            if cap is not None:
-                yield cap
+        """Every capture until the session closes (end of stream)."""
+        return self.iter(None)
 
     def iter(self, idle_timeout: float | None = None) -> Iterator[Capture]:
-        """Yield captures until none arrives for `idle_timeout` seconds (forever if None)."""
+        """Yield captures until the end of stream, or until none arrives for `idle_timeout` s."""
         while not self._closed:
             cap = self.recv(timeout=idle_timeout)
             if cap is None:

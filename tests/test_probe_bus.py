@@ -1,0 +1,189 @@
+"""The bus under load: real sockets, a subscriber in another process, both policies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import torch
+from models import PAD, build, left_padded
+
+import probe
+
+CHILD = textwrap.dedent("""
+    import json, sys, time, hashlib
+    import probe
+    endpoint, out, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    sub = probe.Subscriber(endpoint, sites=sys.argv[4] if len(sys.argv) > 4 else None, rcvhwm=4)
+    digest, n, steps = hashlib.sha256(), 0, set()
+    for cap in sub.iter(idle_timeout=30.0):
+        time.sleep(delay)  # a deliberately slow consumer
+        digest.update(cap.site.encode() + cap.positions.numpy().tobytes() + cap.tensor.numpy().tobytes())
+        n += 1
+        steps.add(cap.step)
+    json.dump({"n": n, "sha": digest.hexdigest(), "malformed": sub.stats.malformed}, open(out, "w"))
+""")
+
+
+def _child(endpoint: str, out: Path, delay: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, endpoint, str(out), str(delay)])
+
+
+def _digest(caps: list[probe.Capture]) -> str:
+    import hashlib
+    d = hashlib.sha256()
+    for cap in caps:
+        d.update(cap.site.encode() + cap.positions.numpy().tobytes() + cap.tensor.numpy().tobytes())
+    return d.hexdigest()
+
+
+def _generate(model: torch.nn.Module, n: int = 12, long: bool = False, **kw) -> torch.Tensor:
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    if long:  # ~1 MB of prefill activations: more than the kernel's socket buffers can hide
+        prompts = [list(range(3, 123)), list(range(10, 110))]
+    ids, mask = left_padded(prompts)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                              eos_token_id=None, pad_token_id=PAD, **kw)
+
+
+def test_complete_policy_slow_subscriber_in_other_process_gets_everything(tmp_path: Path) -> None:
+    model = build("llama")
+    out = tmp_path / "child.json"
+    # A ring of 8 KiB and tiny socket queues: the slow child must push back on the model.
+    with probe.attach(model, "layers.*.*", policy="complete", capacity_bytes=64 << 10, sndhwm=2) as session:
+        local = probe.Subscriber(session.endpoint, rcvhwm=100_000)
+        child = _child(session.endpoint, out, 0.004)
+        session.wait_for_subscribers(2, timeout=30)
+        _generate(model, long=True)
+    stats = session.stats
+    child.wait(timeout=60)
+    caps = list(local.iter(idle_timeout=1.0))
+    got = json.loads(out.read_text())
+    assert stats.dropped == 0 and stats.captured == stats.published == len(caps) == got["n"] == 15 * 12
+    assert got["sha"] == _digest(caps)
+    assert stats.stall_seconds > 0, "the producer should have felt back-pressure"
+
+
+def test_best_effort_never_blocks_and_counters_add_up(tmp_path: Path) -> None:
+    model = build("llama")
+    out = tmp_path / "child.json"
+    with probe.attach(model, "layers.*.*", policy="best_effort", capacity_bytes=4 << 10, sndhwm=1) as session:
+        child = _child(session.endpoint, out, 0.01)
+        session.wait_for_subscribers(1, timeout=30)
+        _generate(model, n=16)
+    stats = session.stats
+    child.wait(timeout=60)
+    got = json.loads(out.read_text())
+    assert stats.stall_seconds == 0.0
+    assert stats.dropped > 0, "a 10 ms/capture consumer cannot keep up; something must be dropped"
+    assert stats.captured == stats.published + stats.dropped == 15 * 16
+    assert got["n"] == stats.published, "every published capture reaches a live subscriber"
+
+
+def test_close_removes_every_hook_and_output_is_unchanged() -> None:
+    model = build("gpt2")
+    before = _generate(model)
+    hooks_before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    session = probe.attach(model, "*")
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) > hooks_before
+    during = _generate(model)
+    session.close()
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == hooks_before == 0
+    assert torch.equal(before, during) and torch.equal(before, _generate(model))
+    assert session.stats.captured == session.stats.published + session.stats.dropped
+
+
+def test_add_and_remove_while_generating_from_the_model_thread() -> None:
+    from transformers.generation.streamers import BaseStreamer
+
+    model = build("qwen2")
+    with probe.attach(model, "layers.0.resid_post") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1)
+
+        class Switch(BaseStreamer):
+            calls = 0
+
+            def put(self, value: torch.Tensor) -> None:  # called by generate once per step
+                Switch.calls += 1
+                if Switch.calls == 3:
+                    session.add("layers.1.mlp_out")
+                if Switch.calls == 6:
+                    session.remove("layers.0.resid_post")
+
+            def end(self) -> None:
+                pass
+
+        ids = torch.tensor([[5, 6, 7]])
+        with torch.no_grad():
+            model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, eos_token_id=None, streamer=Switch())
+        assert session.sites == ["layers.1.mlp_out"]
+    caps = list(sub.iter(idle_timeout=1.0))
+    steps = {s: sorted(c.step for c in caps if c.site == s) for s in ("layers.0.resid_post", "layers.1.mlp_out")}
+    # put() #1 is the prompt, #k (k>1) follows forward k-1: add after forward 2, remove after forward 5.
+    assert steps["layers.0.resid_post"] == [1, 2, 3, 4, 5]
+    assert steps["layers.1.mlp_out"] == [3, 4, 5, 6, 7, 8, 9, 10]
+
+
+def test_add_and_remove_from_another_thread_take_effect_at_a_step_boundary() -> None:
+    model = build("llama")
+    with probe.attach(model, "layers.0.resid_post") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1)
+        started = threading.Event()
+        done = threading.Event()
+
+        def flip() -> None:
+            started.wait()
+            session.add("layers.2.attn_out")
+            session.remove("layers.0.resid_post")
+            done.set()
+
+        t = threading.Thread(target=flip)
+        t.start()
+        ids = torch.tensor([[5, 6, 7]])
+        with torch.no_grad():
+            model(ids)  # the model thread is now known; later changes from `flip` are deferred
+            started.set()
+            done.wait(10)
+            model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+        t.join()
+    caps = list(sub.iter(idle_timeout=1.0))
+    first = [c for c in caps if c.step == 1]
+    assert [c.site for c in first] == ["layers.0.resid_post"]
+    later = [c for c in caps if c.step > 1]
+    assert later and all(c.site == "layers.2.attn_out" for c in later)
+    assert len(later) == 4
+
+
+def test_dtypes_round_trip_bit_exactly() -> None:
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        model = build("llama", dtype=dtype)
+        ref: list[torch.Tensor] = []
+        h = model.model.layers[1].register_forward_hook(lambda m, a, o: ref.append(o.detach().clone()))
+        with probe.attach(model, "layers.1.resid_post") as session:
+            sub = probe.Subscriber(session.endpoint)
+            session.wait_for_subscribers(1)
+            with torch.no_grad():
+                model(torch.tensor([[5, 6, 7, 8]]))
+        h.remove()
+        (cap,) = list(sub.iter(idle_timeout=1.0))
+        assert cap.tensor.dtype == dtype
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(cap.tensor.view(bits), ref[0][0].view(bits))
+
+
+def test_capture_larger_than_the_ring_is_still_delivered_under_complete() -> None:
+    model = build("llama")
+    with probe.attach(model, "layers.0.resid_pre", capacity_bytes=1024) as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1)
+        with torch.no_grad():
+            out = model(torch.arange(3, 43).unsqueeze(0), output_hidden_states=True)  # 40 x 64 x 4 B = 10 KiB
+    (cap,) = list(sub.iter(idle_timeout=1.0))
+    torch.testing.assert_close(cap.tensor, out.hidden_states[0][0])
