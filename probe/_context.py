@@ -25,10 +25,11 @@ class StepContext:
     positions: torch.Tensor  # int64 [B, S]
     token_ids: torch.Tensor  # int64 [B, S] (-1 when the model was fed embeddings)
     device: torch.device
-    _rows: dict[int, tuple[torch.Tensor | None, np.ndarray]] = field(default_factory=dict)
+    _rows: dict[int, tuple[np.ndarray | None, np.ndarray]] = field(default_factory=dict)
+    _device_index: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def rows(self, seq_len: int) -> tuple[torch.Tensor | None, np.ndarray]:
-        """(flat row index on the model's device or None for "all rows", tokens [3, n]).
+    def rows(self, seq_len: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """(flat row index, or None for "all rows", and tokens [3, n]).
 
         `seq_len` may be shorter than the step's (an LM head that only computes the
         last positions, e.g. `logits_to_keep=1` in `generate`): the last columns are used.
@@ -44,12 +45,18 @@ class StepContext:
             tokens[0] = self.seq_ids[b].numpy()
             tokens[1] = self.positions[:, cut:][b, s].numpy()
             tokens[2] = self.token_ids[:, cut:][b, s].numpy()
-            if bool(valid.all()):
-                index = None
-            else:
-                index = (b * seq_len + s).to(self.device, non_blocking=True)
+            index = None if bool(valid.all()) else (b * seq_len + s).numpy()
             got = (index, tokens)
             self._rows[seq_len] = got
+        return got
+
+    def device_index(self, seq_len: int) -> torch.Tensor:
+        """The row index of `rows(seq_len)` as a tensor on the model's device (CUDA path)."""
+        got = self._device_index.get(seq_len)
+        if got is None:
+            index = self.rows(seq_len)[0]
+            assert index is not None
+            got = self._device_index[seq_len] = torch.from_numpy(index).to(self.device)
         return got
 
 
@@ -65,7 +72,8 @@ def cache_length(cache: object) -> int:
         return 0
 
 
-def positions_and_valid(mask: torch.Tensor | None, batch: int, seq_len: int, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+def positions_and_valid(mask: torch.Tensor | None, batch: int, seq_len: int,
+                        past: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [B, S] (0-based, padding excluded) and validity [B, S] of the new tokens."""
     if mask is not None and mask.dim() == 2 and mask.shape[0] == batch:
         m = mask.detach().to("cpu", torch.int64)

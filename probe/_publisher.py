@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ from ._wire import encode_header
 
 PRESENCE = b"\x00probebus/subscriber/"
 END_OF_STREAM = b"probebus:end-of-stream"
+# Closed publishers whose sockets still wait for end-of-stream acknowledgements, by endpoint.
+_LINGERING: weakref.WeakValueDictionary[str, Publisher] = weakref.WeakValueDictionary()
 ZERO_COPY_MIN = zmq.COPY_THRESHOLD  # below this pyzmq copies anyway; a memcpy beats a tracker
 
 
@@ -79,6 +82,9 @@ class Publisher:
 
     # --- producer side -------------------------------------------------------------
     def start(self) -> None:
+        old = _LINGERING.get(self.requested_endpoint)
+        if old is not None:  # our own closed socket may still hold this address for its end-of-stream
+            old._thread.join(old._linger_ms / 1000)
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
@@ -118,6 +124,7 @@ class Publisher:
         self._closing = True
         self._sleeping = True
         self.kick()
+        _LINGERING[self.requested_endpoint] = self
         if not self._flushed.wait(timeout):
             self._abort = True
             self.ring.close()

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -21,13 +22,16 @@ def resolve(name: str) -> str:
 
 
 def load_config(name: str):  # noqa: ANN201 - a transformers PretrainedConfig
+    """Config of `default`, a model folder, or a config JSON file (any file name)."""
     from transformers import AutoConfig
 
     path = Path(resolve(name))
-    if path.is_file() and path.suffix == ".json":
-        return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" else \
-            AutoConfig.for_model(**__import__("json").loads(path.read_text()))
-    return AutoConfig.from_pretrained(str(path))
+    try:
+        if path.is_file():
+            return AutoConfig.for_model(**json.loads(path.read_text()))
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"cannot read a model config from {name!r}: {exc}") from None
 
 
 def load_model(name: str, *, dtype: torch.dtype = torch.float32, need_tokenizer: bool = True):  # noqa: ANN201

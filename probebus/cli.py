@@ -1,5 +1,78 @@
-"""probebus command line (placeholder until subcommands land)."""
+"""The `probebus` command: one subcommand per job, each with --help.
+
+    probebus sites default                  # every site of the shipped model
+    probebus sites path/to/model --match 'layers.*.resid_post'
+    probebus demo                           # the whole product on the shipped model
+    probebus record / inspect / top         # see `probebus record --help`
+
+This is the only module that may import probe, exporters and decoder together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
 
 
-def main() -> None:
-    raise SystemExit("probebus: not yet")
+def _cmd_sites(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import probe
+    from probebus._load import load_config
+
+    config = load_config(args.model)
+    with torch.device("meta"):  # structure only: no weights are read or allocated
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        names = probe.match_sites(model, args.match) if args.match else probe.list_sites(model)
+    except probe.SiteError as exc:
+        print(f"probebus sites: {exc}", file=sys.stderr)
+        return 2
+    arch = probe.resolve_arch(model)
+    if args.json:
+        print(json.dumps({"model": args.model, "family": arch.family, "n_layers": arch.n_layers, "sites": names}))
+    else:
+        print(f"# {args.model}: {type(model).__name__}, {arch.family} family, {arch.n_layers} layers")
+        print("\n".join(names))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from probe import __version__
+
+    parser = argparse.ArgumentParser(prog="probebus", description="Observe LLM internals while they generate.")
+    parser.add_argument("--version", action="version", version=f"probebus {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("sites", help="list the probe sites of a model", description="List the probe sites of a "
+                       "model: `default`, a local folder with config.json, or a config.json file. No weights load.")
+    p.add_argument("model", help="default | PATH (folder or config.json)")
+    p.add_argument("--match", help="only the sites a pattern selects, e.g. 'layers.*.resid_post'")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_sites)
+
+    for module in ("probebus._cmd_demo", "probebus._cmd_exporters", "probebus._cmd_decoder"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -165,7 +165,7 @@ def test_dtypes_round_trip_bit_exactly() -> None:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         model = build("llama", dtype=dtype)
         ref: list[torch.Tensor] = []
-        h = model.model.layers[1].register_forward_hook(lambda m, a, o: ref.append(o.detach().clone()))
+        h = model.model.layers[1].register_forward_hook(lambda m, a, o, ref=ref: ref.append(o.detach().clone()))
         with probe.attach(model, "layers.1.resid_post") as session:
             sub = probe.Subscriber(session.endpoint)
             session.wait_for_subscribers(1)

@@ -18,7 +18,7 @@ def _oracle(model: torch.nn.Module, seq: list[int]) -> dict[str, torch.Tensor]:
     arch = probe.resolve_arch(model)
     got: dict[str, torch.Tensor] = {}
     handles = []
-    for name, (path, kind) in arch.inner.items():
+    for name, (path, _kind) in arch.inner.items():
         if name == "resid_mid":
             continue
         for i, layer in enumerate(arch.layers):
@@ -97,7 +97,8 @@ def test_generate_left_padded_batch_matches_oracle(family: str) -> None:
                 got = arch.final_norm(cap.tensor[row : row + 1].clone())[0]
                 torch.testing.assert_close(got, oracles[b]["final_norm"][pos], atol=1e-4, rtol=1e-4)
                 continue
-            torch.testing.assert_close(cap.tensor[row], want[pos], atol=1e-4, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(cap.tensor[row], want[pos], atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, key=key: f"{key}: {m}")
     # Exact counts: every site x every real fed token, nothing more.
     expected = sum(len(s) - 1 for s in seqs) * len(site_names)
     assert len(seen) == expected

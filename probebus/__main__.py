@@ -1,0 +1,5 @@
+import sys
+
+from probebus.cli import main
+
+sys.exit(main())

@@ -1,0 +1,111 @@
+"""Bad input gets a clear error and loses nothing: sites, architectures, endpoints, frames."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+import zmq
+from models import build
+
+import probe
+from probe._wire import HEADER, MAGIC, VERSION, encode_header
+
+
+def test_unknown_site_lists_what_is_available() -> None:
+    model = build("llama")
+    with pytest.raises(probe.SiteError, match=r"available sites: embed, layers\.\{0\.\.2\}"):
+        probe.attach(model, "layers.*.resid_pots")
+    with pytest.raises(probe.SiteError, match="out of range; the model has 3 layers"):
+        probe.match_sites(model, "layers.7.resid_post")
+    with pytest.raises(probe.SiteError, match="bad layer selector"):
+        probe.match_sites(model, "layers.x.resid_post")
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+
+
+def test_patterns_select_the_right_sites() -> None:
+    model = build("llama")
+    assert probe.match_sites(model, "layers.-1.resid_pre") == ["layers.2.resid_pre"]
+    assert probe.match_sites(model, "layers.0:2.mlp_out") == ["layers.0.mlp_out", "layers.1.mlp_out"]
+    assert probe.match_sites(model, ["logits", "embed"]) == ["embed", "logits"]
+    assert len(probe.match_sites(model, "*")) == len(probe.list_sites(model)) == 1 + 3 * 5 + 2
+    m = probe.SiteMatcher("layers.1:3.resid_post")
+    assert m.matches("layers.2.resid_post") and not m.matches("layers.3.resid_post")
+    assert m.topics() == [b"layers."]
+
+
+def test_parallel_residual_has_no_resid_mid() -> None:
+    model = build("gpt-neox")
+    assert "layers.0.resid_mid" not in probe.list_sites(model)
+    with pytest.raises(probe.SiteError, match="parallel-residual"):
+        probe.attach(model, "layers.0.resid_mid")
+    assert "layers.0.resid_mid" in probe.list_sites(build("gpt-neox-sequential"))
+
+
+def test_unmappable_architecture_is_a_clear_error() -> None:
+    with pytest.raises(probe.ArchitectureError, match="cannot find a decoder-layer list"):
+        probe.list_sites(torch.nn.Linear(4, 4))
+
+
+def test_default_endpoint_is_private_and_remote_binds_are_refused() -> None:
+    model = build("llama")
+    with probe.attach(model, "embed") as session:
+        assert session.endpoint.startswith("ipc://")
+        folder = os.path.dirname(session.endpoint[len("ipc://"):])
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    assert not os.path.exists(folder)
+    with pytest.raises(ValueError, match="refusing to bind"):
+        probe.attach(model, "embed", endpoint="tcp://0.0.0.0:*")
+    with probe.attach(model, "embed", endpoint="tcp://127.0.0.1:*") as session:
+        assert session.endpoint.startswith("tcp://127.0.0.1:")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        probe.attach(model, "embed", policy="lossy")
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+
+
+def test_wait_for_subscribers_times_out_clearly() -> None:
+    with probe.attach(build("llama"), "embed") as session:
+        with pytest.raises(TimeoutError, match="only 0 of 1 subscribers"):
+            session.wait_for_subscribers(1, timeout=0.2)
+
+
+def test_malformed_frames_are_counted_and_ignored() -> None:
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.XPUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = probe.Subscriber(f"tcp://127.0.0.1:{port}")
+    pub.recv()  # a subscription arrived: the subscriber is connected
+    payload = torch.arange(6, dtype=torch.float32).numpy().tobytes()
+    tokens = torch.tensor([[7, 7], [0, 1], [5, 6]]).numpy().tobytes()
+
+    def header(**kw: int) -> bytes:
+        f = dict(phase=0, dtype=1, step=1, layer=0, hidden=3, n=2) | kw
+        return encode_header(b"run", b"layers.0.resid_post", f["phase"], f["dtype"], f["step"], f["layer"],
+                             f["hidden"], f["n"])
+
+    topic = b"layers.0.resid_post"
+    good = header()
+    bad = [
+        [b"garbage"],
+        [topic, b"short", tokens, payload],
+        [topic, b"XXXX" + good[4:], tokens, payload],  # bad magic
+        [topic, MAGIC + (VERSION + 1).to_bytes(2, "little") + good[6:], tokens, payload],
+        [topic, header(dtype=99), tokens, payload],
+        [topic, header(phase=9), tokens, payload],
+        [topic, good, tokens, payload[:-4]],  # truncated payload
+        [topic, good, tokens[:-8], payload],
+        [b"logits", good, tokens, payload],  # topic disagrees with header
+        [topic, good + b"x", tokens, payload],
+    ]
+    for frames in bad:
+        pub.send_multipart(frames)
+    pub.send_multipart([topic, good, tokens, payload])
+    cap = sub.recv(timeout=5)
+    assert cap is not None and cap.tensor.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert cap.positions.tolist() == [0, 1] and cap.token_ids.tolist() == [5, 6]
+    assert sub.stats.malformed == len(bad) and sub.stats.received == 1
+    assert HEADER.size == 32
+    sub.close()
+    pub.close(0)
