@@ -26,7 +26,7 @@ import numpy as np
 import zmq
 
 from ._staging import StagingRing
-from ._wire import encode_header
+from ._wire import encode_envelope
 
 PRESENCE = b"\x00probebus/subscriber/"
 END_OF_STREAM = b"probebus:end-of-stream"
@@ -230,31 +230,31 @@ class Publisher:
             return
         if item.event is not None:
             item.event.synchronize()  # the device-to-host copy has landed
-        header = encode_header(self.run, item.topic, item.phase, item.dtype, item.step, item.layer, item.hidden, item.n)
-        nbytes = item.data.nbytes
-        sent = self._send_first(sock, item.topic)
+        data = item.data
+        big = data.nbytes >= ZERO_COPY_MIN
+        envelope = encode_envelope(self.run, item.topic, item.phase, item.dtype, item.step, item.layer, item.hidden,
+                                   item.tokens.data, b"" if big else data.data)
         tracker = None
-        if sent:
-            sock.send(header, zmq.SNDMORE)
-            tok = item.tokens
-            sock.send(tok, zmq.SNDMORE, copy=tok.nbytes < ZERO_COPY_MIN)
-            if nbytes >= ZERO_COPY_MIN and item.in_ring:
-                tracker = sock.send(item.data, copy=False, track=True)
-            else:
-                sock.send(item.data, copy=nbytes < ZERO_COPY_MIN)
+        if self._send_first(sock, envelope, big):
+            if big:
+                if item.in_ring:  # the ring slot is reused only once ZeroMQ is done with it
+                    tracker = sock.send(data, copy=False, track=True)
+                else:
+                    sock.send(data, copy=False)
             self.published += 1
-            self.bytes += nbytes
+            self.bytes += data.nbytes
         else:
             self.dropped += 1
         if item.in_ring:
             pending.append(tracker)
 
-    def _send_first(self, sock: zmq.Socket, topic: bytes) -> bool:
-        """Send the topic frame; False if best_effort had to drop (or we are aborting)."""
+    def _send_first(self, sock: zmq.Socket, frame: bytes, more: bool) -> bool:
+        """Send frame 0; False if best_effort had to drop (or we are aborting)."""
+        flags = zmq.NOBLOCK | (zmq.SNDMORE if more else 0)
         delay = 0.0002
         while True:
             try:
-                sock.send(topic, zmq.SNDMORE | zmq.NOBLOCK)
+                sock.send(frame, flags)
                 return True
             except zmq.Again:
                 if not self.complete or self._abort:

@@ -15,31 +15,70 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import zmq
 
 from ._publisher import END_OF_STREAM, PRESENCE
 from ._sites import SiteMatcher
-from ._wire import Header, WireError, decode_header
+from ._wire import WireError, decode_envelope
 
 
-@dataclass(slots=True)
 class Capture:
-    """One forward step x one site: valid tokens only, each with its own identity."""
+    """One forward step x one site: valid tokens only, each with its own identity.
 
-    site: str
-    layer: int
-    phase: str
-    step: int
-    run: str
-    seq_ids: torch.Tensor  # int64 [n]
-    positions: torch.Tensor  # int64 [n]
-    token_ids: torch.Tensor  # int64 [n]
-    tensor: torch.Tensor  # [n, hidden], captured dtype
+    `tensor` ([n, hidden], captured dtype) and the int64 `seq_ids`, `positions`,
+    `token_ids` are views on the received frames, built on first access; `payload`
+    and `token_array` give the same memory as a memoryview / numpy array.
+    """
+
+    __slots__ = ("site", "layer", "phase", "step", "run", "dtype", "hidden", "n_tokens",
+                 "_tokens", "_payload", "_tensor", "_ids")
+
+    def __init__(self, site: str, layer: int, phase: str, step: int, run: str, dtype: torch.dtype, hidden: int,
+                 n_tokens: int, tokens: memoryview, payload: memoryview) -> None:
+        self.site, self.layer, self.phase, self.step, self.run = site, layer, phase, step, run
+        self.dtype, self.hidden, self.n_tokens = dtype, hidden, n_tokens
+        self._tokens, self._payload = tokens, payload
+        self._tensor: torch.Tensor | None = None
+        self._ids: torch.Tensor | None = None
 
     @property
-    def n_tokens(self) -> int:
-        return self.tensor.shape[0]
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = torch.frombuffer(self._payload, dtype=self.dtype).view(self.n_tokens, self.hidden)
+        return self._tensor
+
+    def _id_rows(self) -> torch.Tensor:
+        if self._ids is None:
+            self._ids = torch.frombuffer(self._tokens, dtype=torch.int64).view(3, self.n_tokens)
+        return self._ids
+
+    @property
+    def seq_ids(self) -> torch.Tensor:
+        return self._id_rows()[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._id_rows()[1]
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        return self._id_rows()[2]
+
+    @property
+    def token_array(self) -> np.ndarray:
+        """int64 [3, n]: seq_id, position, token_id rows (a view, no copy)."""
+        return np.frombuffer(self._tokens, dtype=np.int64).reshape(3, self.n_tokens)
+
+    @property
+    def payload(self) -> memoryview:
+        """The activation bytes, C-contiguous [n, hidden] in `dtype` (a view, no copy)."""
+        return self._payload
+
+    def __repr__(self) -> str:
+        return (f"Capture(site={self.site!r}, phase={self.phase!r}, step={self.step}, n_tokens={self.n_tokens}, "
+                f"hidden={self.hidden}, dtype={self.dtype})")
 
 
 @dataclass
@@ -53,22 +92,10 @@ class SubscriberStats:
 
 def parse_capture(frames: list) -> Capture:
     """Validate and decode one multipart message (raises WireError)."""
-    if len(frames) != 4:
-        raise WireError(f"expected 4 frames (topic, header, tokens, payload), got {len(frames)}")
-    topic, head, tokens, payload = frames
-    h: Header = decode_header(head.buffer)
-    if topic.bytes != h.site.encode():
-        raise WireError(f"topic {topic.bytes[:64]!r} does not match header site {h.site!r}")
-    n = h.n_tokens
-    if len(tokens) != 24 * n:
-        raise WireError(f"token frame has {len(tokens)} bytes, expected {24 * n} for {n} tokens")
-    if len(payload) != h.payload_nbytes:
-        raise WireError(f"payload has {len(payload)} bytes, expected {h.payload_nbytes} ({n} x {h.hidden} {h.dtype})")
-    if n == 0 or h.hidden == 0:
-        raise WireError("empty capture")
-    ids = torch.frombuffer(tokens.buffer, dtype=torch.int64).view(3, n)
-    tensor = torch.frombuffer(payload.buffer, dtype=h.dtype).view(n, h.hidden)
-    return Capture(h.site, h.layer, h.phase, h.step, h.run, ids[0], ids[1], ids[2], tensor)
+    if len(frames) not in (1, 2):
+        raise WireError(f"expected 1 or 2 frames (envelope[, payload]), got {len(frames)}")
+    h, tokens, payload = decode_envelope(frames[0].buffer, frames[1].buffer if len(frames) == 2 else None)
+    return Capture(h.site, h.layer, h.phase, h.step, h.run, h.dtype, h.hidden, h.n_tokens, tokens, payload)
 
 
 class Subscriber:
@@ -103,7 +130,7 @@ class Subscriber:
             if not self._sock.poll(deadline_ms if deadline_ms is not None else -1):
                 return None
             frames = self._sock.recv_multipart(copy=False)
-            if len(frames) == 2 and frames[0].bytes == self._presence and frames[1].bytes == END_OF_STREAM:
+            if len(frames) == 2 and frames[1].bytes == END_OF_STREAM and frames[0].bytes == self._presence:
                 self.ended = True  # acknowledge, so the publisher may close its socket
                 self._sock.setsockopt(zmq.UNSUBSCRIBE, self._presence)
                 return None
@@ -114,11 +141,11 @@ class Subscriber:
                 key = str(exc).split(":")[0][:60]
                 self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
                 continue
-            if not self.matcher.matches(cap.site):
+            if not self.matcher.everything and not self.matcher.matches(cap.site):
                 self.stats.filtered += 1
                 continue
             self.stats.received += 1
-            self.stats.bytes += len(frames[3])
+            self.stats.bytes += len(cap.payload)
             return cap
         return None
 

@@ -11,7 +11,7 @@ import zmq
 from models import build
 
 import probe
-from probe._wire import HEADER, MAGIC, VERSION, encode_header
+from probe._wire import HEADER, MAGIC, VERSION, encode_envelope
 
 
 def test_unknown_site_lists_what_is_available() -> None:
@@ -79,33 +79,37 @@ def test_malformed_frames_are_counted_and_ignored() -> None:
     pub.recv()  # a subscription arrived: the subscriber is connected
     payload = torch.arange(6, dtype=torch.float32).numpy().tobytes()
     tokens = torch.tensor([[7, 7], [0, 1], [5, 6]]).numpy().tobytes()
+    site = b"layers.0.resid_post"
 
-    def header(**kw: int) -> bytes:
-        f = dict(phase=0, dtype=1, step=1, layer=0, hidden=3, n=2) | kw
-        return encode_header(b"run", b"layers.0.resid_post", f["phase"], f["dtype"], f["step"], f["layer"],
-                             f["hidden"], f["n"])
+    def env(tok: bytes = tokens, pay: bytes = payload, **kw: int) -> bytes:
+        f = dict(phase=0, dtype=1, step=1, layer=0, hidden=3) | kw
+        return encode_envelope(b"run", site, f["phase"], f["dtype"], f["step"], f["layer"], f["hidden"], tok, pay)
 
-    topic = b"layers.0.resid_post"
-    good = header()
+    good = env()
+    at = len(site) + 1  # where the fixed header starts
     bad = [
         [b"garbage"],
-        [topic, b"short", tokens, payload],
-        [topic, b"XXXX" + good[4:], tokens, payload],  # bad magic
-        [topic, MAGIC + (VERSION + 1).to_bytes(2, "little") + good[6:], tokens, payload],
-        [topic, header(dtype=99), tokens, payload],
-        [topic, header(phase=9), tokens, payload],
-        [topic, good, tokens, payload[:-4]],  # truncated payload
-        [topic, good, tokens[:-8], payload],
-        [b"logits", good, tokens, payload],  # topic disagrees with header
-        [topic, good + b"x", tokens, payload],
+        [site + b"\x00short"],
+        [good[:at] + b"XXXX" + good[at + 4:]],  # bad magic
+        [good[:at + 4] + (VERSION + 1).to_bytes(2, "little") + good[at + 6:]],  # a future version
+        [env(dtype=99)],
+        [env(phase=9)],
+        [env(pay=payload[:-4])],  # truncated payload
+        [env(tok=tokens[:-8])],  # token rows disagree with n
+        [b"logits" + good[len(site):]],  # topic disagrees with the header's site length
+        [env(pay=b""), payload[:-1]],  # a separate payload frame of the wrong size
+        [env(), payload],  # payload twice
+        [good, b"x", b"y"],
     ]
     for frames in bad:
         pub.send_multipart(frames)
-    pub.send_multipart([topic, good, tokens, payload])
-    cap = sub.recv(timeout=5)
-    assert cap is not None and cap.tensor.tolist() == [[0, 1, 2], [3, 4, 5]]
-    assert cap.positions.tolist() == [0, 1] and cap.token_ids.tolist() == [5, 6]
-    assert sub.stats.malformed == len(bad) and sub.stats.received == 1
-    assert HEADER.size == 32
+    pub.send_multipart([env(pay=b""), payload])  # a large-payload style message is fine too
+    pub.send_multipart([good])
+    caps = [sub.recv(timeout=5), sub.recv(timeout=5)]
+    for cap in caps:
+        assert cap is not None and cap.tensor.tolist() == [[0, 1, 2], [3, 4, 5]]
+        assert cap.positions.tolist() == [0, 1] and cap.token_ids.tolist() == [5, 6] and cap.site == site.decode()
+    assert sub.stats.malformed == len(bad) and sub.stats.received == 2
+    assert HEADER.size == 32 and MAGIC == b"PBUS"
     sub.close()
     pub.close(0)
