@@ -374,9 +374,11 @@ class ProbeSession:
             data = self.ring.bytes_at(off, nbytes)
         else:
             data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda).numpy()
-        src = t.detach().reshape(batch * seq_len, hidden)
-        if not src.is_cuda:
-            rows = src.view(torch.uint8).numpy()  # [rows, hidden * itemsize] raw bytes, any dtype
+        if not t.is_cuda:
+            src = t.detach() if t.requires_grad else t
+            if src.dtype == torch.bfloat16:  # numpy has no bf16: move the same bits as int16
+                src = src.view(torch.int16)
+            rows = src.numpy().reshape(batch * seq_len, -1).view(np.uint8)  # raw bytes per row
             dst = data.reshape(n, -1)
             if index is None:
                 np.copyto(dst, rows)
@@ -384,6 +386,7 @@ class ProbeSession:
                 np.take(rows, index, axis=0, out=dst)
             return data, None
         # CUDA: gather on the device, copy to pinned memory on a side stream; the publisher waits on the event.
+        src = t.detach().reshape(batch * seq_len, hidden)
         rows_t = src if index is None else src.index_select(0, ctx.device_index(seq_len))
         dst_t = torch.from_numpy(data).view(t.dtype).view(n, hidden)
         stream = self._copy_stream
