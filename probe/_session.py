@@ -135,6 +135,11 @@ class ProbeSession:
         return self.publisher.endpoint
 
     @property
+    def step(self) -> int:
+        """Number of forward steps of the attached model seen so far (the last capture's `step`)."""
+        return self._step
+
+    @property
     def sites(self) -> list[str]:
         return [s for s in self.arch.sites() if s in self._active]
 

@@ -1,0 +1,212 @@
+"""The EAGLE-3 drafter: one decoder layer over (token embedding, fused target features).
+
+    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config))
+    drafter.bind_target(target)                  # shares the target's frozen embedding
+    cache = drafter.new_cache(batch, max_len)
+    h, logits = drafter(drafter.fuse(features), next_ids, positions, cache)
+
+Inputs at position t are the target features of t (resid_pre of three layers,
+concatenated, projected by `fc`) and the embedding of token t+1; the output at t
+predicts token t+2. For later draft steps the drafter's own pre-norm output is fed
+back in place of `fc(features)`. The KV cache is indexed by absolute position, so
+truncating after a rejection is a mask update, and rows of a batch may sit at
+different positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    target_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    aux_layer_ids: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    norm_before_residual: bool = False
+    fc_bias: bool = False
+    max_position_embeddings: int = 2048
+
+    @classmethod
+    def for_target(cls, target_config: object, *, draft_vocab_size: int | None = None,
+                   aux_layer_ids: list[int] | None = None) -> Eagle3Config:
+        """A drafter shaped like one layer of `target_config` (a Llama-style config)."""
+        c = target_config
+        n_layers = c.num_hidden_layers
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        return cls(
+            hidden_size=c.hidden_size, target_hidden_size=c.hidden_size, num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+            draft_vocab_size=draft_vocab_size or c.vocab_size,
+            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layers(n_layers),
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+            max_position_embeddings=getattr(c, "max_position_embeddings", 2048),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_aux_layers(n_layers: int) -> list[int]:
+    """EAGLE-3's default feature layers (2, L//2, L-3); they must be distinct."""
+    ids = [2, n_layers // 2, n_layers - 3]
+    if len(set(ids)) != 3 or min(ids) < 0:
+        raise ValueError(f"a target with {n_layers} layers has no three distinct EAGLE-3 feature layers "
+                         f"{ids}; pass aux_layer_ids explicitly")
+    return ids
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+
+class DraftCache:
+    """K/V indexed by absolute position; `valid[b, p]` says whether slot p of row b is live."""
+
+    def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+
+    def truncate(self, keep_below: torch.Tensor) -> None:
+        """Drop every slot at position >= keep_below[b] (per row)."""
+        pos = torch.arange(self.valid.shape[1], device=self.valid.device)
+        self.valid &= pos[None, :] < keep_below[:, None]
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
+        self.self_attn.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.self_attn.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.self_attn.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.mlp.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ang = positions[:, None, :, None].float() * self.inv_freq  # [B, 1, S, hd/2]
+        cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
+        sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rot * sin
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                cache: DraftCache) -> torch.Tensor:
+        cfg = self.cfg
+        b, s, _ = hidden.shape
+        if cfg.norm_before_residual:
+            hidden = self.hidden_norm(hidden)
+            residual = hidden
+        else:
+            residual = hidden
+            hidden = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(emb), hidden], -1)
+        att = self.self_attn
+        q = att.q_proj(x).view(b, s, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = att.k_proj(x).view(b, s, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        v = att.v_proj(x).view(b, s, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        q, k = self._rope(q, positions), self._rope(k, positions)
+        idx = positions[:, None, :, None].expand(b, cfg.num_key_value_heads, s, cfg.head_dim)
+        cache.k.scatter_(2, idx, k)
+        cache.v.scatter_(2, idx, v)
+        cache.valid.scatter_(1, positions, True)
+        span = int(positions.max()) + 1
+        keys_pos = torch.arange(span, device=positions.device)
+        mask = cache.valid[:, None, :span] & (keys_pos[None, None, :] <= positions[:, :, None])  # [B, S, span]
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        kk = cache.k[:, :, :span].repeat_interleave(rep, 1)
+        vv = cache.v[:, :, :span].repeat_interleave(rep, 1)
+        out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[:, None])
+        out = att.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        h = residual + out
+        m = self.mlp
+        y = self.post_attention_layernorm(h)
+        return h + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 head; `bind_target` before use (embedding is the target's, frozen)."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        self.embed_tokens: nn.Embedding | None = None
+
+    def bind_target(self, target: nn.Module) -> Eagle3Drafter:
+        emb = target.get_input_embeddings()
+        if emb.weight.shape != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(f"target embedding is {tuple(emb.weight.shape)}, the drafter expects "
+                             f"({self.config.vocab_size}, {self.config.hidden_size}): wrong target for this drafter")
+        object.__setattr__(self, "embed_tokens", emb)  # shared, not a submodule: never saved, never trained
+        return self
+
+    def new_cache(self, batch: int, max_len: int) -> DraftCache:
+        p = self.fc.weight
+        return DraftCache(batch, max_len, self.config.num_key_value_heads, self.config.head_dim, p.dtype, p.device)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[B, S, 3 * target_hidden] target features -> drafter hidden."""
+        return self.fc(features)
+
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                cache: DraftCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-norm output to feed back, draft-vocabulary logits) for each input position."""
+        if self.embed_tokens is None:
+            raise RuntimeError("call drafter.bind_target(target) first: EAGLE-3 uses the target's embedding")
+        with torch.no_grad():
+            emb = self.embed_tokens(next_ids)
+        h = self.midlayer(emb.to(hidden.dtype), hidden, positions, cache)
+        return h, self.lm_head(self.norm(h))
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target vocabulary ids of draft-vocabulary ids (d2t holds offsets)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits scattered onto the target vocabulary (-inf outside the draft vocab)."""
+        out = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        idx = torch.arange(self.config.draft_vocab_size, device=draft_logits.device)
+        out[..., self.to_target(idx)] = draft_logits
+        return out

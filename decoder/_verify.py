@@ -1,0 +1,82 @@
+"""Lossless verification of draft tokens.
+
+    p = target_probs(logits, temperature=0.8, top_k=50, top_p=0.95)  # [..., V]
+    ok, repl = accept(p_at_x, q_or_None, x)                           # one draft position, batched
+
+Greedy keeps the longest prefix equal to the target's argmax. Sampling uses the
+speculative-sampling rule, which leaves the output distribution exactly p:
+deterministic drafts (q is a point mass): accept x with probability p(x), else sample
+from p with x removed; sampled drafts: accept with min(1, p(x)/q(x)), else sample from
+max(p - q, 0) renormalised. No lossy acceptance knob exists here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                 top_p: float | None = None) -> torch.Tensor:
+    """Sampling distribution after temperature, top-k and top-p (float32)."""
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 for sampling; use greedy verification for temperature 0")
+    x = logits.float() / temperature
+    if top_k is not None and 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return x.softmax(-1)
+
+
+def accept(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor,
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One speculative step for N rows: (accepted [N] bool, replacement token [N]).
+
+    p: target distribution [N, V]; q: draft distribution [N, V] the draft x [N] was
+    sampled from, or None when x was chosen deterministically.
+    """
+    rows = torch.arange(x.shape[0], device=x.device)
+    px = p[rows, x]
+    u = torch.rand(x.shape, generator=generator, device=p.device)
+    if q is None:
+        ok = u < px
+        residual = p.clone()
+        residual[rows, x] = 0.0
+    else:
+        qx = q[rows, x]
+        ok = u * qx < px  # u < min(1, p/q) without dividing by a zero q
+        residual = (p - q).clamp_min(0.0)
+    mass = residual.sum(-1, keepdim=True)
+    # mass == 0 only when p == q (or p is the point mass on x): then x is always accepted anyway.
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+    repl = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    return ok, repl
+
+
+def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts [B, k], target_logits [B, k+1, V] -> (n accepted [B], next token [B])."""
+    best = target_logits.argmax(-1)  # [B, k+1]
+    match = (drafts == best[:, :-1]).int()
+    n = match.cumprod(-1).sum(-1)
+    return n, best.gather(1, n[:, None]).squeeze(1)
+
+
+def verify_sampling(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts [B, k], p [B, k+1, V], q [B, k, V] or None -> (n accepted [B], next token [B])."""
+    b, k = drafts.shape
+    n = torch.full((b,), k, dtype=torch.long, device=drafts.device)
+    nxt = torch.multinomial(p[:, k], 1, generator=generator).squeeze(-1)  # bonus if all are accepted
+    alive = torch.ones(b, dtype=torch.bool, device=drafts.device)
+    for i in range(k):
+        ok, repl = accept(p[:, i], None if q is None else q[:, i], drafts[:, i], generator)
+        stop = alive & ~ok
+        n = torch.where(stop, torch.full_like(n, i), n)
+        nxt = torch.where(stop, repl, nxt)
+        alive &= ok
+    return n, nxt
