@@ -41,7 +41,8 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 def _layer_config(raw: dict) -> tuple[dict, str]:
     if raw.get("speculators_model_type") is not None:
         if raw["speculators_model_type"] != "eagle3":
-            raise DrafterError(f"speculators_model_type is {raw['speculators_model_type']!r}; only 'eagle3' is supported")
+            raise DrafterError(f"speculators_model_type is {raw['speculators_model_type']!r}; "
+                               "only 'eagle3' is supported")
         if "transformer_layer_config" not in raw:
             raise DrafterError("speculators config without transformer_layer_config")
         return raw["transformer_layer_config"], "speculators"

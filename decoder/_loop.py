@@ -58,7 +58,7 @@ class SpecStats:
 
     @property
     def acceptance(self) -> list[float]:
-        return [a / o if o else 0.0 for a, o in zip(self.accepted_at, self.offered_at)]
+        return [a / o if o else 0.0 for a, o in zip(self.accepted_at, self.offered_at, strict=True)]
 
     def as_dict(self) -> dict:
         keys = ("rounds", "target_forwards", "emitted", "drafted", "accepted", "ngram_rounds", "seconds", "draft_s",
