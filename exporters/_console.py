@@ -1,0 +1,127 @@
+"""rich renderings for the CLI: recording progress, `inspect` tables, the `top` live view.
+
+    with RecordProgress(console, total_tokens=256) as bar:
+        bar.update(tokens=8, stats=recorder.stats)
+    console.print(summary_table(recorder.summary))
+    console.print(inspect_view(exporters.summarize_recording("rec/")))
+    console.print(top_table(monitor.totals()))
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from ._recorder import RecordingSummary
+
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f}"
+
+
+class RecordProgress:
+    """A progress bar with tokens/s, captures/s, MB/s written and drops (total None: no bar, counts only)."""
+
+    def __init__(self, console: Console, total_tokens: int | None, *, unit: str = "tok") -> None:
+        self.unit = unit
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[tok_s]:>8.1f} " + unit + "/s"), TextColumn("{task.fields[cap_s]:>8.1f} cap/s"),
+            TextColumn("{task.fields[mb_s]:>7.2f} MB/s"), TextColumn("drops {task.fields[drops]}"),
+            TimeElapsedColumn(), console=console, transient=False, refresh_per_second=4)
+        self.task = self.progress.add_task("recording", total=total_tokens, tok_s=0.0, cap_s=0.0, mb_s=0.0, drops=0)
+        self.t0 = time.monotonic()
+        self._last = 0.0
+
+    def __enter__(self) -> RecordProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def update(self, tokens: int, stats: RecordingSummary, *, force: bool = False,
+               description: str | None = None) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < 0.2:  # called every decode step: keep it cheap
+            return
+        self._last = now
+        dt = max(now - self.t0, 1e-9)
+        drops = stats.dropped + (stats.publisher_dropped or 0)
+        kw: dict[str, Any] = {"completed": tokens, "tok_s": tokens / dt, "cap_s": stats.received / dt,
+                              "mb_s": stats.bytes / dt / 1e6, "drops": drops}
+        if description is not None:
+            kw["description"] = description
+        self.progress.update(self.task, **kw)
+
+
+def summary_table(s: RecordingSummary) -> Table:
+    t = Table(title=f"recording {s.path}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    status = "[green]complete" if s.clean else ("[red]failed" if s.error else "[yellow]incomplete")
+    rows = [("status", status), ("rows", f"{s.rows:,}"), ("captures", f"{s.captures:,} of {s.received:,} received"),
+            ("bytes", f"{_mb(s.bytes)} MB in {len(s.files)} files"), ("seconds", f"{s.seconds:.2f}"),
+            ("dropped", f"{s.dropped} (gaps {s.gaps}, malformed {s.malformed}, unwritten {s.unwritten})")]
+    if s.publisher_dropped is not None:
+        rows.append(("publisher dropped", str(s.publisher_dropped)))
+    if s.truncated:
+        rows.append(("truncated", "stop timed out while captures were still arriving"))
+    if s.error:
+        rows.append(("error", f"[red]{s.error}"))
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def inspect_view(info: dict[str, Any]) -> Group:
+    head = Table(show_header=False, box=None)
+    head.add_column(style="bold")
+    head.add_column()
+    state = info["state"]
+    color = "green" if info.get("clean") else ("red" if state == "failed" else "yellow")
+    head.add_row("recording", info["path"])
+    head.add_row("state", f"[{color}]{state}")
+    head.add_row("model", f"{info.get('model') or '?'}  (config {info.get('config_hash') or '?'})")
+    head.add_row("probebus", f"{info.get('probebus_version') or '?'}, {info.get('file_format') or '?'} files")
+    head.add_row("files", f"{len(info['files'])} complete, {len(info['partial_files'])} in progress "
+                          f"({info['salvaged_rows']:,} rows readable in them)")
+    head.add_row("total", f"{info['rows']:,} rows, {_mb(info['bytes'])} MB of activations")
+    if info.get("lost") not in (None, "nothing"):
+        head.add_row("lost", f"[yellow]{info['lost']}")
+    if info.get("error"):
+        head.add_row("error", f"[red]{info['error']}")
+    # Compact enough for an 80-column pipe; the site name already says the layer.
+    t = Table(title="per site", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for col in ("site", "rows", "seqs", "tokens", "MB", "dtype", "mean‖a‖", "max‖a‖"):
+        t.add_column(col, justify="left" if col in ("site", "dtype") else "right", no_wrap=col == "site")
+    for r in info["sites"]:
+        t.add_row(r["site"], f"{r['rows']:,}", f"{r['sequences']:,}", f"{r['tokens']:,}", _mb(r["bytes"]),
+                  f"{_SHORT.get(r['dtype'], r['dtype'])}×{r['hidden']}", f"{r['norm_mean']:.4g}",
+                  f"{r['norm_max']:.4g}")
+    return Group(head, t)
+
+
+def top_table(totals: dict[str, Any]) -> Table:
+    busy = totals["busy"]
+    note = " [red](monitor saturated: numbers trail the session)" if busy > 0.9 else ""
+    t = Table(title=f"probebus top  {totals['endpoint']}  runs {', '.join(totals['runs']) or '-'}  "
+                    f"max step {totals['max_step']}  busy {busy:.0%}{note}", title_justify="left",
+              box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for col in ("site", "cap/s", "tok/s", "MB/s", "captures", "MB", "drops", "lag steps", "idle s"):
+        t.add_column(col, justify="left" if col == "site" else "right", no_wrap=col == "site")
+    for r in totals["sites"]:
+        drops = Text(str(r["gaps"]), style="red" if r["gaps"] else "")
+        t.add_row(r["site"], f"{r['captures_per_s']:.1f}", f"{r['tokens_per_s']:.1f}", f"{r['bytes_per_s'] / 1e6:.2f}",
+                  f"{r['captures']:,}", _mb(r["bytes"]), drops, str(r["lag_steps"]), f"{r['idle_s']:.1f}")
+    t.caption = (f"{totals['captures']:,} captures, {_mb(totals['bytes'])} MB, {totals['captures_per_s']:.1f} cap/s, "
+                 f"{totals['bytes_per_s'] / 1e6:.2f} MB/s, drops {totals['gaps']}, malformed {totals['malformed']}")
+    return t

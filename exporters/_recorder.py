@@ -1,0 +1,368 @@
+"""ArrowRecorder: a subscriber that writes captures to Arrow/Parquet while the model runs.
+
+    with probe.attach(model, "layers.*.resid_post") as session:
+        with exporters.ArrowRecorder(session, "rec/", format="arrow") as rec:
+            model.generate(**inputs, max_new_tokens=64)
+    print(rec.summary)        # rows, bytes, files, dropped ...
+
+`endpoint` is a ProbeSession (same process: model name, config hash and publisher
+drops come from it, and start() waits until the publisher sees the recorder) or an
+endpoint string (any process: `probebus record --endpoint ...`). Two threads: the
+receiver copies each capture once into a column slab; the writer turns full slabs
+into record batches and appends them to files. Neither ever calls into the model;
+if the disk fails the recorder disconnects (so `complete` cannot stall the model on
+a dead reader), keeps what it wrote, and stop() raises `RecorderError`.
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import probe
+
+from ._batch import BatchBuilder, Batcher, Dictionaries, Slab, SlabPool
+from ._files import FileSet
+from ._gaps import GapCounter
+from ._schema import FILE_RE, FORMAT, FORMAT_VERSION, MANIFEST, PARTIAL_RE, file_metadata, write_json_atomic
+
+FORMATS = ("arrow", "parquet")
+
+
+class RecorderError(RuntimeError):
+    """The recording failed (unwritable directory, disk full, ...). `.summary` says what was kept."""
+
+    def __init__(self, message: str, summary: RecordingSummary | None = None) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
+@dataclass(frozen=True)
+class RecordingSummary:
+    """What a recorder wrote. `dropped` = malformed + gaps + unwritten (captures this recording misses)."""
+
+    path: str
+    rows: int
+    bytes: int
+    files: list[str]
+    captures: int  # captures written
+    received: int
+    dropped: int
+    malformed: int
+    gaps: int  # (step, site) captures detected missing, e.g. best_effort drops
+    unwritten: int  # received but not written because writing failed
+    publisher_dropped: int | None  # the observed session's own counter, when recording a ProbeSession
+    seconds: float
+    clean: bool
+    truncated: bool  # stop() timed out while captures were still arriving
+    error: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+class ArrowRecorder:
+    def __init__(self, endpoint: str | probe.ProbeSession, out_dir: str | Path, *, sites: Any = None,
+                 format: str = "arrow", rotate_bytes: int = 256 << 20, flush_bytes: int = 8 << 20,
+                 flush_seconds: float = 0.25, max_pending_bytes: int = 256 << 20, model: Any = None,
+                 metadata: dict[str, str] | None = None, drain_idle: float = 0.5, overwrite: bool = False,
+                 curve_server_key: bytes | None = None, manifest_interval: float = 0.5) -> None:
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        if rotate_bytes <= 0 or flush_bytes <= 0 or flush_seconds <= 0:
+            raise ValueError("rotate_bytes, flush_bytes and flush_seconds must be positive")
+        self._session = endpoint if isinstance(endpoint, probe.ProbeSession) else None
+        self.endpoint = self._session.endpoint if self._session is not None else str(endpoint)
+        if model is None and self._session is not None:
+            model = self._session.model
+        probe.SiteMatcher(sites)  # a bad pattern fails here, not in a thread
+        self.sites = sites
+        self.format = format
+        self.path = Path(out_dir)
+        self.drain_idle = drain_idle
+        self.overwrite = overwrite
+        self.manifest_interval = manifest_interval
+        self._curve = curve_server_key
+        self._meta = file_metadata(model, metadata)
+        self._files = FileSet(self.path, format, rotate_bytes=rotate_bytes, meta=self._meta)
+        self._pool = SlabPool(max_pending_bytes)
+        self._dicts = Dictionaries()
+        self._queue: queue.SimpleQueue[Slab | None] = queue.SimpleQueue()
+        self._batcher = Batcher(self._pool, flush_bytes=flush_bytes, flush_seconds=flush_seconds, emit=self._emit)
+        self._gaps = GapCounter()
+        self._sub: probe.Subscriber | None = None
+        self._threads: list[threading.Thread] = []
+        self._failed = threading.Event()
+        self._ended = threading.Event()  # set by stop() and by a failure: releases a receiver at end of stream
+        self._stop_at: float | None = None
+        self._deadline = float("inf")
+        self._error: str | None = None
+        self._state = "new"
+        self._received = self._written = self._rows = self._unwritten = 0
+        self._last: tuple[int, int] = (-1, -1)
+        self._truncated = False
+        self._t0 = self._t1 = 0.0
+        self._started_at = ""
+        self._saved_at = 0.0
+        self._summary: RecordingSummary | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def start(self) -> ArrowRecorder:
+        """Prepare the directory, connect, and start the receiver and writer threads."""
+        if self._state != "new":
+            raise RuntimeError("an ArrowRecorder records once; create a new one")
+        self._prepare_dir()
+        before = self._session.stats.subscribers if self._session is not None else 0
+        self._sub = probe.Subscriber(self.endpoint, self.sites, curve_server_key=self._curve)
+        self._state = "recording"
+        self._t0 = time.monotonic()
+        for name, fn in (("probebus-recorder-recv", self._receive), ("probebus-recorder-write", self._write)):
+            t = threading.Thread(target=fn, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        if self._session is not None:  # so the first forward is not published before we listen
+            self._session.wait_for_subscribers(before + 1, timeout=10.0)
+        return self
+
+    def stop(self, timeout: float = 60.0, *, raise_on_error: bool = True) -> RecordingSummary:
+        """Drain what is in flight (until `drain_idle` s of silence), finish files, write the manifest.
+
+        Under the `complete` policy nothing published before the session went quiet
+        is lost. Raises RecorderError (with `.summary`) if writing failed.
+        """
+        if self._summary is None:
+            if self._state == "new":
+                self._state = "complete"
+            else:
+                self._deadline = time.monotonic() + timeout
+                self._stop_at = time.monotonic()
+                self._ended.set()
+                for t in self._threads:
+                    t.join()
+            self._t1 = time.monotonic()
+            self._summary = self._snapshot(final=True)
+        if self._error is not None and raise_on_error:
+            raise RecorderError(self._error, self._summary)
+        return self._summary
+
+    def __enter__(self) -> ArrowRecorder:
+        return self.start()
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.stop(raise_on_error=exc_type is None)  # never mask the body's own exception
+
+    @property
+    def running(self) -> bool:
+        return self._state == "recording" and not self._failed.is_set()
+
+    @property
+    def source_ended(self) -> bool:
+        """True once the observed session closed and everything it published was received."""
+        return bool(getattr(self._sub, "ended", False))
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def summary(self) -> RecordingSummary | None:
+        """The final summary once stopped (None before)."""
+        return self._summary
+
+    @property
+    def stats(self) -> RecordingSummary:
+        """A live snapshot (safe to poll from another thread, e.g. for a progress bar)."""
+        return self._summary or self._snapshot(final=False)
+
+    def _prepare_dir(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            ours = [p for p in self.path.iterdir()
+                    if p.name in (MANIFEST, MANIFEST + ".tmp") or FILE_RE.match(p.name) or PARTIAL_RE.match(p.name)
+                    or p.name.endswith(".parquet.tmp")]
+            if ours and not self.overwrite:
+                raise RecorderError(f"{self.path} already holds a recording ({len(ours)} files); record into a new "
+                                    "directory or pass overwrite=True")
+            for p in ours:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            self._started_at = _now()
+            self._state = "recording"
+            self._save_manifest(force=True)
+        except OSError as exc:
+            self._state = "new"
+            raise RecorderError(f"cannot record into {self.path}: {exc.strerror or exc} "
+                                f"({type(exc).__name__}{', ' + exc.filename if exc.filename else ''}); "
+                                "pick a writable directory") from exc
+
+    # --- receiver thread ------------------------------------------------------------------
+    def _emit(self, slab: Slab) -> None:
+        slab.dicts = self._dicts.snapshot()
+        self._queue.put(slab)
+
+    def _receive(self) -> None:
+        sub, batcher, dicts, gaps = self._sub, self._batcher, self._dicts, self._gaps
+        assert sub is not None
+        last_msg = time.monotonic()
+        try:
+            while not self._failed.is_set():
+                now = time.monotonic()
+                stopping = self._stop_at is not None
+                if stopping and now > self._deadline:
+                    self._truncated = True
+                    break
+                wait = self.drain_idle if stopping else 0.1
+                due = batcher.next_due(now)
+                cap = sub.recv(timeout=wait if due is None else min(wait, max(due, 0.001)))
+                now = time.monotonic()
+                if cap is None:
+                    if getattr(sub, "ended", False):  # the session closed: we hold all it published
+                        batcher.flush_all()
+                        self._ended.wait()  # nothing more can arrive; wait for stop()
+                        break
+                    batcher.flush_due(now)
+                    quiet = now - max(last_msg, self._stop_at or now)
+                    if stopping and quiet >= self.drain_idle and self._publisher_idle():
+                        break
+                    continue
+                last_msg = now
+                self._received += 1
+                gaps.observe(cap.run, cap.step, cap.site)
+                if not batcher.add(cap, dicts.code("run", cap.run), dicts.code("phase", cap.phase),
+                                   dicts.code("site", cap.site), now):
+                    self._unwritten += 1
+                batcher.flush_due(now)
+        except BaseException as exc:  # a bug here must not leave the writer waiting forever
+            self._fail(exc, "receiving")
+        finally:
+            batcher.flush_all()
+            self._queue.put(None)
+            sub.close()  # disconnect: a failed recorder must not hold back a `complete` publisher
+
+    def _publisher_idle(self) -> bool:
+        s = self._session
+        return s is None or s.stats.queued <= 0
+
+    # --- writer thread -------------------------------------------------------------------
+    def _write(self) -> None:
+        builder = BatchBuilder()
+        files = self._files
+        while True:
+            slab = self._queue.get()
+            if slab is None:
+                break
+            written = False
+            try:
+                if self._failed.is_set():
+                    self._unwritten += slab.captures
+                    continue
+                key = (slab.dtype, slab.hidden)
+                files.write(slab, builder.build(slab, files.schema(key), slab.dicts))
+                written = True
+                self._rows += slab.rows
+                self._written += slab.captures
+                self._last = slab.last
+                self._save_manifest(force=files.rotate_if_full(key))
+            except BaseException as exc:
+                if not written:
+                    self._unwritten += slab.captures
+                self._fail(exc, "writing")
+            finally:
+                self._pool.release(slab)
+        if not self._failed.is_set():
+            try:
+                files.finish_all()
+            except BaseException as exc:
+                self._fail(exc, "finishing files")
+        if self._failed.is_set():
+            files.abandon()
+        self._state = "failed" if self._failed.is_set() else "complete"
+        self._t1 = time.monotonic()
+        try:
+            self._save_manifest(force=True)
+        except OSError as exc:
+            if self._error is None:
+                self._fail(exc, "writing the manifest")
+
+    def _fail(self, exc: BaseException, doing: str) -> None:
+        if self._error is None:
+            where = f" {exc.filename}" if isinstance(exc, OSError) and exc.filename else ""
+            what = f"{exc.strerror} (errno {exc.errno})" if isinstance(exc, OSError) and exc.strerror else repr(exc)
+            self._error = (f"recording into {self.path} failed while {doing}{where}: {what}. The recorder stopped "
+                           f"and disconnected; {self._rows} rows already written stay readable; the observed "
+                           "model was not affected.")
+            warnings.warn(f"probebus: {self._error}", RuntimeWarning, stacklevel=2)
+        self._failed.set()
+        self._ended.set()
+        self._pool.abort()
+
+    # --- reporting -------------------------------------------------------------------------
+    def _counts(self) -> dict[str, Any]:
+        sub = self._sub
+        malformed = sub.stats.malformed if sub is not None else 0
+        pub = self._session.stats.dropped if self._session is not None else None
+        return {"received": self._received, "captures_written": self._written, "rows": self._rows,
+                "malformed": malformed, "gaps": self._gaps.total, "unwritten": self._unwritten,
+                "publisher_dropped": pub,
+                "pending": max(0, self._received - self._written - self._unwritten)}
+
+    def _snapshot(self, final: bool) -> RecordingSummary:
+        c = self._counts()
+        names, nbytes = self._files.totals()
+        end = self._t1 if final and self._t1 else time.monotonic()
+        return RecordingSummary(
+            path=str(self.path), rows=c["rows"], bytes=nbytes, files=[str(self.path / n) for n in names],
+            captures=c["captures_written"], received=c["received"],
+            dropped=c["malformed"] + c["gaps"] + c["unwritten"], malformed=c["malformed"], gaps=c["gaps"],
+            unwritten=c["unwritten"], publisher_dropped=c["publisher_dropped"],
+            seconds=max(0.0, end - self._t0) if self._t0 else 0.0,
+            clean=final and self._error is None and not self._truncated, truncated=self._truncated,
+            error=self._error)
+
+    def _save_manifest(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._saved_at < self.manifest_interval:
+            return
+        self._saved_at = now
+        dicts = self._dicts.snapshot()
+        done, partial = self._files.entries(dicts)
+        c = self._counts()
+        runs = dicts[0]
+        last = {"run": runs[self._last[0]], "step": self._last[1]} if self._last[0] >= 0 else None
+        write_json_atomic(self.path / MANIFEST, {
+            "format": FORMAT, "format_version": FORMAT_VERSION,
+            "probebus_version": self._meta["probebus.version"],
+            "wire_version": int(self._meta["probebus.wire_version"]),
+            "model": self._meta["probebus.model"], "config_hash": self._meta["probebus.config_hash"],
+            "metadata": {k: v for k, v in self._meta.items() if k not in (
+                "probebus.format", "probebus.format_version", "probebus.version", "probebus.wire_version",
+                "probebus.model", "probebus.config_hash")},
+            "file_format": self.format, "endpoint": self.endpoint,
+            "sites": self.sites if self.sites is None or isinstance(self.sites, str) else list(self.sites),
+            "state": self._state, "error": self._error, "started_at": self._started_at, "updated_at": _now(),
+            "files": done, "in_progress": partial, "counts": c, "last_written": last,
+            "lost": _lost_text(self._state, c, last),
+        })
+
+
+def _lost_text(state: str, c: dict[str, Any], last: dict | None) -> str:
+    """One sentence, in the manifest, on what this recording is missing."""
+    after = f"after run {last['run']} step {last['step']}" if last else "at all"
+    if state == "recording":
+        return (f"recorder running (or killed): if this manifest is not updated again, {c['pending']} captures "
+                f"received but not yet written and everything published {after} are lost; "
+                "*.inprogress streams hold every batch written so far")
+    parts = [f"{c[k]} {k}" for k in ("unwritten", "gaps", "malformed") if c[k]]
+    if state == "failed":
+        parts.append(f"everything published {after}")
+    return "nothing" if not parts else "; ".join(parts)

@@ -1,0 +1,223 @@
+"""Failures: a recorder killed with SIGKILL (its own process, a real signal), a directory
+that is or becomes unwritable (real), a full disk (the one simulated fault), drop counting."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+from _exporters_helpers import ROOT, tiny_llama
+from models import PAD, left_padded
+
+import exporters
+import probe
+from exporters import _files
+from exporters._gaps import GapCounter
+
+IDS, MASK = left_padded([[5, 17, 33, 9], [40, 41, 42, 43, 44, 45, 46], [7, 8]])
+
+
+def _generate(model: torch.nn.Module, n: int = 12) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=PAD)
+
+
+class _Collector(threading.Thread):
+    """A plain Subscriber draining in the background: the ground truth, in publish order."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(daemon=True)
+        self.sub = probe.Subscriber(endpoint)
+        self.order: list[tuple[int, str]] = []
+        self.rows: dict[tuple[int, str, int, int], torch.Tensor] = {}
+
+    def run(self) -> None:
+        for c in self.sub:  # until end of stream
+            self.order.append((c.step, c.site))
+            for i in range(c.n_tokens):
+                self.rows[(c.step, c.site, int(c.seq_ids[i]), int(c.positions[i]))] = c.tensor[i].clone()
+
+
+def _check_rows_are_a_prefix(table: pa.Table, truth: _Collector) -> None:
+    d = table.to_pydict()
+    got = set()
+    for i in range(table.num_rows):
+        key = (d["step"][i], d["site"][i], d["seq_id"][i], d["position"][i])
+        vals = torch.tensor(d["activation"][i], dtype=torch.float32)
+        assert torch.equal(vals, truth.rows[key]), key
+        got.add(key[:2])
+    # Everything written is exactly the first K captures published: no hole in the middle.
+    assert got == set(truth.order[: len(got)])
+
+
+def test_sigkill_leaves_flushed_batches_readable(tmp_path: Path) -> None:
+    model = tiny_llama(layers=2)
+    out = tmp_path / "rec"
+    cmd = [sys.executable, "-m", "probebus", "record", "--endpoint", "", "--out", str(out), "--rotate-mb", "0.1"]
+    with probe.attach(model, "layers.*.resid_post", policy="complete") as session:
+        truth = _Collector(session.endpoint)
+        truth.start()
+        cmd[cmd.index("--endpoint") + 1] = session.endpoint
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            session.wait_for_subscribers(2, timeout=120)
+            killed = threading.Event()
+
+            def killer() -> None:  # kill mid-generation, once files rotated and a stream is half written
+                while not killed.is_set():
+                    try:
+                        m = json.loads((out / "manifest.json").read_text())
+                    except (OSError, ValueError):
+                        m = {}
+                    if len(m.get("files", [])) >= 2 and any(f["rows"] for f in m.get("in_progress", [])):
+                        os.kill(proc.pid, signal.SIGKILL)
+                        killed.set()
+                    time.sleep(0.02)
+
+            threading.Thread(target=killer, daemon=True).start()
+            calls = 0
+            while not killed.is_set() and calls < 300:
+                _generate(model)
+                calls += 1
+            assert killed.is_set(), "the recorder never rotated a file"
+            for _ in range(3):  # the observed model is unaffected by its subscriber's death
+                assert _generate(model).shape[1] == IDS.shape[1] + 12
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(30)
+    truth.join(30)
+    assert proc.returncode == -signal.SIGKILL
+    assert session.stats.dropped == 0 and session.stats.published == session.stats.captured
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["state"] == "recording" and "killed" in manifest["lost"]
+    for entry in manifest["files"]:  # every complete file reads strictly and holds what the manifest says
+        table = pa.ipc.open_stream(pa.memory_map(str(out / entry["name"]))).read_all()
+        assert table.num_rows == entry["rows"] > 0
+    complete = sorted(out.glob("*.arrow"))
+    for f in complete:
+        pa.ipc.open_stream(pa.memory_map(str(f))).read_all()
+    info = exporters.recording_info(out)
+    assert not info["clean"] and info["state"] == "recording"
+    assert info["partial_files"] and info["salvaged_rows"] >= sum(f["rows"] for f in manifest["in_progress"])
+    table = exporters.read_recording(out)  # complete files + every flushed batch of the killed stream
+    assert table.num_rows >= manifest["counts"]["rows"]
+    assert table.num_rows < len(truth.rows)  # the kill really lost the tail
+    _check_rows_are_a_prefix(table, truth)
+
+
+def test_unwritable_directory_at_start(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    model = tiny_llama(layers=2)
+    targets = [blocker / "rec"]  # ENOTDIR, for root as for anyone
+    if Path("/sys").is_dir():
+        targets.append(Path("/sys"))  # an existing directory where even root cannot create files (EACCES)
+    with probe.attach(model, "final_norm") as session:
+        for target in targets:
+            with pytest.raises(exporters.RecorderError, match="cannot record into") as ei:
+                exporters.ArrowRecorder(session, target).start()
+            assert "pick a writable directory" in str(ei.value)
+        assert _generate(model).shape[1] == IDS.shape[1] + 12  # the model never noticed
+
+
+def test_directory_lost_mid_recording_stops_cleanly_model_keeps_generating(tmp_path: Path) -> None:
+    model = tiny_llama(layers=2)
+    out, moved = tmp_path / "rec", tmp_path / "moved"
+    with probe.attach(model, "layers.*.resid_post", policy="complete") as session:
+        rec = exporters.ArrowRecorder(session, out, rotate_bytes=6000, flush_bytes=1024, flush_seconds=0.02).start()
+        _generate(model)
+        deadline = time.monotonic() + 10
+        while not list(out.glob("*.arrow")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        out.rename(moved)  # files already open keep working; every new file or rename now fails for real
+        out.write_text("this used to be the recording directory")
+        calls = 0
+        with pytest.warns(RuntimeWarning, match="Not a directory"):
+            while rec.running and calls < 50:
+                assert _generate(model).shape[1] == IDS.shape[1] + 12  # `complete` never blocks on a dead recorder
+                calls += 1
+        assert not rec.running
+        for _ in range(3):
+            assert _generate(model).shape[1] == IDS.shape[1] + 12
+        with pytest.raises(exporters.RecorderError, match="Not a directory") as ei:
+            rec.stop()
+    summary = ei.value.summary
+    assert summary is not None and summary.error and not summary.clean and summary.rows > 0
+    assert "the observed model was not affected" in summary.error
+    assert exporters.read_recording(moved).num_rows == summary.rows  # all it wrote is still readable
+    assert session.stats.dropped == 0
+
+
+class _FullDisk:
+    """The only simulated fault: a file whose writes fail with ENOSPC once a byte budget is spent."""
+
+    budget = 0
+
+    def __init__(self, path: str) -> None:
+        self.f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by pyarrow through close()
+        self.closed = False
+
+    def write(self, data: bytes) -> int:
+        if _FullDisk.budget < len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        _FullDisk.budget -= len(data)
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+        self.f.close()
+
+
+def test_disk_full_clear_error_and_written_rows_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _FullDisk.budget = 30_000
+    monkeypatch.setattr(_files, "open_sink", lambda path: pa.PythonFile(_FullDisk(path), mode="w"))
+    model = tiny_llama(layers=2)
+    with probe.attach(model, "layers.*.resid_post") as session:
+        truth = _Collector(session.endpoint)
+        truth.start()
+        session.wait_for_subscribers(1)
+        rec = exporters.ArrowRecorder(session, tmp_path, flush_bytes=2048, flush_seconds=0.02).start()
+        calls = 0
+        with pytest.warns(RuntimeWarning, match="No space left on device"):
+            while rec.running and calls < 50:
+                assert _generate(model).shape[1] == IDS.shape[1] + 12
+                calls += 1
+        assert not rec.running and calls < 50
+        assert _generate(model).shape[1] == IDS.shape[1] + 12
+        summary = rec.stop(raise_on_error=False)
+    truth.join(30)
+    assert "No space left on device" in summary.error and summary.unwritten > 0
+    table = exporters.read_recording(tmp_path)  # the in-progress stream, up to the failed write
+    assert 0 < table.num_rows == summary.rows
+    _check_rows_are_a_prefix(table, truth)
+    assert json.loads((tmp_path / "manifest.json").read_text())["state"] == "failed"
+
+
+def test_gap_counter_finds_a_site_that_skipped_a_step() -> None:
+    g = GapCounter()
+    for step in range(1, 6):
+        for site in ("a", "b", "c"):
+            if (step, site) not in {(2, "b"), (3, "b"), (4, "c")}:  # what best_effort dropped
+                g.observe("r", step, site)
+    g.observe("r2", 9, "a")  # another run starts fresh
+    assert g.total == 3 and dict(g.by_site) == {"b": 2, "c": 1}
