@@ -1,0 +1,83 @@
+"""Greedy speculative decoding equals plain greedy `generate`, token for token, batch 1 and batch > 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import PAD, build, left_padded
+
+from decoder import Eagle3Config, Eagle3Drafter, NgramDrafter, SpeculativeDecoder
+
+PROMPTS = [[5, 17, 33, 9, 40, 41], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 8]]
+
+
+def assert_same_or_near_tie(model: torch.nn.Module, got: torch.Tensor, want: torch.Tensor,
+                            mask: torch.Tensor) -> None:
+    """Equal sequences; a difference is only tolerated (and reported) at a genuine fp32 near-tie."""
+    if torch.equal(got, want):
+        return
+    for r in range(want.shape[0]):
+        diff = (got[r] != want[r]).nonzero()
+        if len(diff) == 0:
+            continue
+        at = int(diff[0])
+        prefix = want[r, :at][mask[r, : min(at, mask.shape[1])].bool().tolist() + [True] * max(0, at - mask.shape[1])]
+        with torch.no_grad():
+            logits = model(prefix[None]).logits[0, -1]
+        top2 = logits.topk(2).values
+        gap = float(top2[0] - top2[1])
+        if gap > 1e-4:
+            raise AssertionError(f"row {r} differs at {at}: got {got[r, at:].tolist()} want {want[r, at:].tolist()} "
+                                 f"(top-2 logit gap {gap:.2e}: not a near-tie)")
+        pytest.xfail(f"fp32 near-tie at row {r}, position {at}: top-2 logit gap {gap:.2e}")
+
+
+def _drafters(model: torch.nn.Module) -> dict[str, object]:
+    torch.manual_seed(3)
+    eagle = Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model)
+    return {"none": None, "ngram": NgramDrafter(), "eagle": eagle, "auto": "auto"}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equals_generate(family: str, batch: int) -> None:
+    model = build(family, layers=8)
+    ids, mask = left_padded(PROMPTS[:batch])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                              eos_token_id=None, pad_token_id=PAD)
+    for name, drafter in _drafters(model).items():
+        kw = {"eagle": _drafters(model)["eagle"]} if drafter == "auto" else {}
+        with SpeculativeDecoder(model, drafter, k=4, **kw) as spec:
+            out = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
+        assert_same_or_near_tie(model, out.sequences, want, mask)
+        st = out.stats
+        assert st.emitted == 24 * batch
+        if name == "ngram":  # random weights loop, so prompt lookup must accept something here
+            assert st.tau > 1.0 and st.target_forwards < 24
+
+
+def test_eos_stops_each_row_like_generate() -> None:
+    model = build("llama", layers=8)
+    ids, mask = left_padded(PROMPTS)
+    with torch.no_grad():
+        free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=PAD)
+    eos = int(free[1, ids.shape[1] + 4])  # row 1 emits this at its 5th new token
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                              eos_token_id=eos, pad_token_id=PAD)
+    with SpeculativeDecoder(model, NgramDrafter(), k=4) as spec:
+        out = spec.generate(ids, mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=PAD)
+    assert_same_or_near_tie(model, out.sequences, want, mask)
+
+
+def test_sampling_runs_and_is_reproducible_with_a_seed() -> None:
+    model = build("llama", layers=8)
+    ids, mask = left_padded(PROMPTS)
+    outs = []
+    for _ in range(2):
+        with SpeculativeDecoder(model, "auto", eagle=_drafters(model)["eagle"], k=3) as spec:
+            outs.append(spec.generate(ids, mask, max_new_tokens=12, temperature=0.8, top_p=0.9, seed=7,
+                                      pad_token_id=PAD).sequences)
+    assert torch.equal(outs[0], outs[1]) and outs[0].shape == (3, ids.shape[1] + 12)
