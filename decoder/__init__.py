@@ -18,3 +18,7 @@ __all__ = [
     "SpeculativeDecoder", "accept", "check_against_target", "default_aux_layers", "load_drafter", "save_drafter",
     "target_probs", "verify_greedy", "verify_sampling",
 ]
+
+from ._train import TrainConfig, load_sequences, train_drafter, ttt_mask  # noqa: E402
+
+__all__ += ["TrainConfig", "load_sequences", "train_drafter", "ttt_mask"]

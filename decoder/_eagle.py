@@ -126,8 +126,9 @@ class Eagle3Layer(nn.Module):
         rot = torch.cat([-x[..., half:], x[..., :half]], -1)
         return x * cos + rot * sin
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                cache: DraftCache) -> torch.Tensor:
+    def project(self, emb: torch.Tensor, hidden: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [B,nh,S,hd], k, v [B,nkv,S,hd], residual) for one block of inputs."""
         cfg = self.cfg
         b, s, _ = hidden.shape
         if cfg.norm_before_residual:
@@ -141,23 +142,32 @@ class Eagle3Layer(nn.Module):
         q = att.q_proj(x).view(b, s, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
         k = att.k_proj(x).view(b, s, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         v = att.v_proj(x).view(b, s, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        q, k = self._rope(q, positions), self._rope(k, positions)
-        idx = positions[:, None, :, None].expand(b, cfg.num_key_value_heads, s, cfg.head_dim)
+        return self._rope(q, positions), self._rope(k, positions), v, residual
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               residual: torch.Tensor) -> torch.Tensor:
+        """Attention of q over (k, v) under a boolean mask [B|1, S, T], then the MLP block."""
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                             attn_mask=mask[:, None])
+        b, _, s, _ = q.shape
+        h = residual + self.self_attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        m = self.mlp
+        y = self.post_attention_layernorm(h)
+        return h + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                cache: DraftCache) -> torch.Tensor:
+        q, k, v, residual = self.project(emb, hidden, positions)
+        b, nkv, s, hd = k.shape
+        idx = positions[:, None, :, None].expand(b, nkv, s, hd)
         cache.k.scatter_(2, idx, k)
         cache.v.scatter_(2, idx, v)
         cache.valid.scatter_(1, positions, True)
         span = int(positions.max()) + 1
         keys_pos = torch.arange(span, device=positions.device)
         mask = cache.valid[:, None, :span] & (keys_pos[None, None, :] <= positions[:, :, None])  # [B, S, span]
-        rep = cfg.num_attention_heads // cfg.num_key_value_heads
-        kk = cache.k[:, :, :span].repeat_interleave(rep, 1)
-        vv = cache.v[:, :, :span].repeat_interleave(rep, 1)
-        out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[:, None])
-        out = att.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-        h = residual + out
-        m = self.mlp
-        y = self.post_attention_layernorm(h)
-        return h + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
+        return self.attend(q, cache.k[:, :, :span], cache.v[:, :, :span], mask, residual)
 
 
 class Eagle3Drafter(nn.Module):

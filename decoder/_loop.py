@@ -29,6 +29,7 @@ from ._verify import target_probs, verify_greedy, verify_sampling
 
 @dataclass
 class SpecStats:
+    batch: int = 1
     rounds: int = 0
     target_forwards: int = 0
     emitted: int = 0
@@ -50,7 +51,8 @@ class SpecStats:
 
     @property
     def tokens_per_forward(self) -> float:
-        return self.emitted / max(self.target_forwards, 1)
+        """New tokens per row per target forward (prefill included)."""
+        return self.emitted / max(self.target_forwards * self.batch, 1)
 
     @property
     def tokens_per_s(self) -> float:
@@ -61,7 +63,7 @@ class SpecStats:
         return [a / o if o else 0.0 for a, o in zip(self.accepted_at, self.offered_at, strict=True)]
 
     def as_dict(self) -> dict:
-        keys = ("rounds", "target_forwards", "emitted", "drafted", "accepted", "ngram_rounds", "seconds", "draft_s",
+        keys = ("batch", "rounds", "target_forwards", "emitted", "drafted", "accepted", "ngram_rounds", "seconds", "draft_s",
                 "verify_s", "bus_s")
         d = {k: getattr(self, k) for k in keys}
         d.update(tau=self.tau, tokens_per_forward=self.tokens_per_forward, tokens_per_s=self.tokens_per_s,
@@ -115,7 +117,7 @@ class SpeculativeDecoder:
                  top_p: float | None = None, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int | None = None, seed: int | None = None) -> SpecOutput:
         t0 = time.perf_counter()
-        st = SpecStats(accepted_at=[0] * self.k, offered_at=[0] * self.k)
+        st = SpecStats(batch=input_ids.shape[0], accepted_at=[0] * self.k, offered_at=[0] * self.k)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         sample = temperature > 0
         b, p_len = input_ids.shape

@@ -1,0 +1,209 @@
+"""Train an EAGLE-3 drafter from an Arrow recording of the target's own generations.
+
+    probebus record --model default --prompts train.jsonl --sites 'layers.2.resid_pre,layers.4.resid_pre,...'
+    probebus train-drafter --model default --recording rec/ --out drafter/
+
+Each recorded sequence gives, per position t, the target features f_t (resid_pre of the
+three feature layers) and tokens x_t. The drafter learns (f_t, x_{t+1}) -> x_{t+2}.
+Training-time test: step j > 0 replaces f_t by the drafter's own output from step j-1
+at t-1 (exactly what inference feeds back), and a query of step j attends to the real
+keys up to its chain's start t-j plus the chain's own keys, one per earlier step.
+Losses are weighted `decay**j`. The draft vocabulary is the most frequent recorded tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._checkpoint import save_drafter
+from ._eagle import Eagle3Config, Eagle3Drafter
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1500
+    lr: float = 2e-3
+    warmup: int = 50
+    ttt_steps: int = 3
+    decay: float = 0.8
+    window: int = 128
+    batch: int = 8
+    draft_vocab: int = 2048
+    seed: int = 0
+    save_every: int = 250
+
+
+def load_sequences(recording: str | Path, aux_layer_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(tokens [T], features [T, 3H])] per recorded (run, seq_id), ordered by position."""
+    from exporters import activations  # decoder -> exporters: the reader is the exporters' job
+
+    parts = [activations(recording, site=f"layers.{i}.resid_pre") for i in aux_layer_ids]
+    first = parts[0]
+    if len(first) == 0:
+        raise ValueError(f"{recording} has no rows for layers.{aux_layer_ids[0]}.resid_pre; record the feature "
+                         f"sites {['layers.%d.resid_pre' % i for i in aux_layer_ids]}")
+    keys = []
+    for a in parts:
+        runs = np.unique(np.array(a.run), return_inverse=True)[1]
+        key = np.lexsort((a.position.numpy(), a.seq_id.numpy(), runs))
+        keys.append(key)
+        if len(a) != len(first):
+            raise ValueError(f"feature sites have different row counts ({len(a)} vs {len(first)}): incomplete recording")
+    order = keys[0]
+    run_codes = np.unique(np.array(first.run), return_inverse=True)[1][order]
+    seq = first.seq_id.numpy()[order]
+    pos = first.position.numpy()[order]
+    tok = first.token_id.numpy()[order]
+    feats = torch.cat([a.tensor[torch.from_numpy(k)].float() for a, k in zip(parts, keys, strict=True)], -1)
+    for a, k in zip(parts[1:], keys[1:], strict=True):
+        if not np.array_equal(a.position.numpy()[k], pos) or not np.array_equal(a.seq_id.numpy()[k], seq):
+            raise ValueError("feature sites disagree on (seq_id, position): incomplete recording")
+    out = []
+    bounds = np.flatnonzero((np.diff(seq) != 0) | (np.diff(run_codes) != 0)) + 1
+    for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(seq)], strict=True):
+        if not np.array_equal(pos[lo:hi], np.arange(hi - lo)):
+            continue  # a sequence with a gap (dropped captures) cannot be trained on safely
+        out.append((torch.from_numpy(tok[lo:hi].copy()), feats[lo:hi]))
+    return out
+
+
+def draft_vocabulary(seqs: list[tuple[torch.Tensor, torch.Tensor]], vocab: int, size: int) -> torch.Tensor:
+    """The `size` most frequent target ids, sorted (draft id i <-> target id ids[i])."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for toks, _ in seqs:
+        counts += torch.bincount(toks, minlength=vocab)
+    size = min(size, vocab)
+    return torch.topk(counts, size).indices.sort().values
+
+
+def ttt_mask(length: int, step: int) -> torch.Tensor:
+    """[L, (step+1)L]: real keys up to the chain start, then one key per earlier chain step."""
+    t = torch.arange(length)
+    blocks = [t[None, :] <= (t[:, None] - step)]
+    for i in range(1, step + 1):
+        blocks.append(t[None, :] == (t[:, None] - step + i))
+    return torch.cat(blocks, 1)
+
+
+def ttt_loss(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, feats: torch.Tensor,
+             targets: torch.Tensor, cfg: TrainConfig) -> tuple[torch.Tensor, list[float]]:
+    """toks [B, L+2], feats [B, L, 3H], targets [B, L] draft ids (-100 = not in the draft vocab)."""
+    b, length = feats.shape[:2]
+    layer = drafter.midlayer
+    with torch.no_grad():
+        emb = embed(toks[:, 1: length + 1])
+    pos = torch.arange(length).expand(b, length)
+    hidden = drafter.fuse(feats)
+    ks, vs, accs = [], [], []
+    total = feats.new_zeros(())
+    for j in range(cfg.ttt_steps):
+        q, k, v, res = layer.project(emb, hidden, pos)
+        ks.append(k)
+        vs.append(v)
+        h = layer.attend(q, torch.cat(ks, 2), torch.cat(vs, 2), ttt_mask(length, j)[None], res)
+        logits = drafter.lm_head(drafter.norm(h))
+        tgt = targets.clone()
+        tgt[:, :j] = -100  # no chain can start before position 0
+        total = total + cfg.decay ** j * F.cross_entropy(logits.transpose(1, 2), tgt, ignore_index=-100)
+        ok = tgt != -100
+        accs.append(float((logits.argmax(-1)[ok] == tgt[ok]).float().mean()) if ok.any() else 0.0)
+        hidden = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # feature at t = own output at t-1
+    return total, accs
+
+
+def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg: TrainConfig | None = None, *,
+                  aux_layer_ids: list[int] | None = None, resume: bool = True, progress: bool = True,
+                  target_name: str = "") -> dict:
+    """Train and save (speculators layout) a drafter for `target`; returns final metrics."""
+    cfg = cfg or TrainConfig()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    dcfg = Eagle3Config.for_target(target.config, aux_layer_ids=aux_layer_ids)
+    seqs = load_sequences(recording, dcfg.aux_layer_ids)
+    seqs = [s for s in seqs if len(s[0]) >= 8]
+    if not seqs:
+        raise ValueError(f"{recording}: no complete sequence of at least 8 tokens")
+    ids = draft_vocabulary(seqs, dcfg.vocab_size, cfg.draft_vocab)
+    dcfg.draft_vocab_size = len(ids)
+    drafter = Eagle3Drafter(dcfg)
+    drafter.d2t.copy_(ids - torch.arange(len(ids)))
+    drafter.t2d.zero_()
+    drafter.t2d[ids] = True
+    to_draft = torch.full((dcfg.vocab_size,), -100, dtype=torch.long)
+    to_draft[ids] = torch.arange(len(ids))
+    embed = target.get_input_embeddings()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0)
+    state_file = out / "train_state.pt"
+    start = 0
+    if resume and state_file.is_file():
+        state = torch.load(state_file, weights_only=True)
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    pool = [s for s in seqs if len(s[0]) >= cfg.window + 2]
+    window = cfg.window
+    if not pool:  # every sequence is short: train on windows as long as the shortest allows
+        pool, window = seqs, min(len(s[0]) for s in seqs) - 2
+    gen = torch.Generator().manual_seed(cfg.seed + start)
+    metrics: dict = {"sequences": len(seqs), "tokens": int(sum(len(s[0]) for s in seqs)), "window": window}
+    t0 = time.perf_counter()
+    bar = _Bar(cfg.steps, start) if progress else None
+    for step in range(start, cfg.steps):
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        toks, feats = _batch(pool, cfg.batch, window, gen)
+        loss, accs = ttt_loss(drafter, embed, toks, feats, to_draft[toks[:, 2: window + 2]], cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        metrics.update(step=step + 1, loss=float(loss.detach()), acc=accs)
+        if bar:
+            bar.update(step + 1, metrics["loss"], accs)
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                        "config": asdict(cfg)}, state_file)
+    if bar:
+        bar.close()
+    metrics["seconds"] = time.perf_counter() - t0
+    save_drafter(drafter, out, target_name=target_name)
+    return metrics
+
+
+def _batch(pool: list, batch: int, window: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    toks, feats = [], []
+    for i in torch.randint(len(pool), (batch,), generator=gen).tolist():
+        t, f = pool[i]
+        s = int(torch.randint(len(t) - window - 1, (1,), generator=gen))
+        toks.append(t[s: s + window + 2])
+        feats.append(f[s: s + window])
+    return torch.stack(toks), torch.stack(feats)
+
+
+class _Bar:
+    """A rich progress bar with loss and per-step accuracy."""
+
+    def __init__(self, total: int, done: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.p = Progress(TextColumn("train-drafter"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                          TextColumn("{task.fields[info]}"))
+        self.task = self.p.add_task("train", total=total, completed=done, info="")
+        self.p.start()
+
+    def update(self, step: int, loss: float, accs: list[float]) -> None:
+        acc = " ".join(f"{a:.2f}" for a in accs)
+        self.p.update(self.task, completed=step, info=f"loss {loss:.3f} acc/step {acc}")
+
+    def close(self) -> None:
+        self.p.stop()
