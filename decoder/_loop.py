@@ -63,8 +63,8 @@ class SpecStats:
         return [a / o if o else 0.0 for a, o in zip(self.accepted_at, self.offered_at, strict=True)]
 
     def as_dict(self) -> dict:
-        keys = ("batch", "rounds", "target_forwards", "emitted", "drafted", "accepted", "ngram_rounds", "seconds", "draft_s",
-                "verify_s", "bus_s")
+        keys = ("batch", "rounds", "target_forwards", "emitted", "drafted", "accepted", "ngram_rounds", "seconds",
+                "draft_s", "verify_s", "bus_s")
         d = {k: getattr(self, k) for k in keys}
         d.update(tau=self.tau, tokens_per_forward=self.tokens_per_forward, tokens_per_s=self.tokens_per_s,
                  acceptance=self.acceptance)

@@ -49,14 +49,15 @@ def load_sequences(recording: str | Path, aux_layer_ids: list[int]) -> list[tupl
     first = parts[0]
     if len(first) == 0:
         raise ValueError(f"{recording} has no rows for layers.{aux_layer_ids[0]}.resid_pre; record the feature "
-                         f"sites {['layers.%d.resid_pre' % i for i in aux_layer_ids]}")
+                         f"sites {[f'layers.{i}.resid_pre' for i in aux_layer_ids]}")
     keys = []
     for a in parts:
         runs = np.unique(np.array(a.run), return_inverse=True)[1]
         key = np.lexsort((a.position.numpy(), a.seq_id.numpy(), runs))
         keys.append(key)
         if len(a) != len(first):
-            raise ValueError(f"feature sites have different row counts ({len(a)} vs {len(first)}): incomplete recording")
+            raise ValueError(f"feature sites have different row counts ({len(a)} vs {len(first)}): "
+                             "incomplete recording")
     order = keys[0]
     run_codes = np.unique(np.array(first.run), return_inverse=True)[1][order]
     seq = first.seq_id.numpy()[order]
