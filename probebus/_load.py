@@ -21,6 +21,19 @@ def resolve(name: str) -> str:
     return name
 
 
+def resolve_drafter(name: str) -> str:
+    """Map `default` to the drafter shipped for the default model; anything else unchanged."""
+    if name != "default":
+        return name
+    from probebus.models import DEFAULT_MODEL_DIR
+
+    folder = DEFAULT_MODEL_DIR.parent / "default-drafter"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"the shipped drafter is missing from {folder}; reinstall probebus or pass "
+                                "--drafter PATH / ngram / none")
+    return str(folder)
+
+
 def load_config(name: str):  # noqa: ANN201 - a transformers PretrainedConfig
     """Config of `default`, a model folder, or a config JSON file (any file name)."""
     from transformers import AutoConfig
