@@ -4,7 +4,7 @@
     batcher = Batcher(pool, flush_bytes=8 << 20, flush_seconds=0.25, emit=queue.put)
     batcher.add(capture, run_code, phase_code, site_code, now)   # receiver thread
     ...
-    batch = to_record_batch(slab, schema, dictionaries)           # writer thread
+    batch = BatchBuilder().build(slab, slab.describe(), schema)   # writer thread
     pool.release(slab)                                            # once written
 
 A `Slab` is a preallocated set of column buffers for one activation shape; the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -30,78 +30,76 @@ from ._schema import numpy_storage
 Key = tuple[torch.dtype, int]  # (captured dtype, hidden): one file group
 
 
-@dataclass
 class Slab:
-    """Column buffers for up to `capacity` rows of one (dtype, hidden) group."""
+    """Column buffers for up to `capacity` rows of one (dtype, hidden) group.
 
-    dtype: torch.dtype
-    hidden: int
-    capacity: int
-    pooled: bool = True
-    rows: int = 0
-    captures: int = 0
-    first_t: float = 0.0
-    runs: set[int] = field(default_factory=set)
-    phases: set[int] = field(default_factory=set)
-    sites: set[int] = field(default_factory=set)
-    layers: set[int] = field(default_factory=set)
-    step_lo: int = 0
-    step_hi: int = -1
-    last: tuple[int, int] = (-1, -1)  # (run code, step) of the newest capture
-    dicts: tuple[tuple[str, ...], ...] = ()  # dictionary snapshot the codes refer to (set when emitted)
+    Per row only the activation bytes and the three token ids are copied; the
+    per-capture constants (step, run, phase, site, layer) are kept once per capture
+    and expanded to rows in the writer thread, so the receiver does two memcpys
+    and one list append per capture.
+    """
 
-    def __post_init__(self) -> None:
-        store = numpy_storage(self.dtype)
-        self.values = np.empty((self.capacity, self.hidden), store)
-        # bf16 arrives as a torch tensor we can only expose to numpy as int16: same bits.
-        self._dst = self.values.view(np.int16) if self.dtype == torch.bfloat16 else self.values
-        self.ints = np.empty((4, self.capacity), np.int64)  # step, seq_id, position, token_id
-        self.codes = np.empty((4, self.capacity), np.int32)  # run, phase, site, layer
+    def __init__(self, dtype: torch.dtype, hidden: int, capacity: int, pooled: bool = True) -> None:
+        self.dtype, self.hidden, self.capacity, self.pooled = dtype, hidden, capacity, pooled
+        self.values = np.empty((capacity, hidden), numpy_storage(dtype))
+        self._bytes = memoryview(self.values).cast("B")
+        self.row_bytes = hidden * dtype.itemsize
+        self.ids = np.empty((3, capacity), np.int64)  # seq_id, position, token_id
+        self.meta: list[tuple[int, int, int, int, int, int]] = []  # (step, run, phase, site, layer, n) per capture
+        self.dicts: tuple[tuple[str, ...], ...] = ()  # dictionary snapshot the codes refer to (set when emitted)
+        self.rows = 0
+        self.first_t = 0.0
 
     @property
     def nbytes(self) -> int:
-        return self.values.nbytes + self.ints.nbytes + self.codes.nbytes
+        return self.values.nbytes + self.ids.nbytes
 
     @property
     def room(self) -> int:
         return self.capacity - self.rows
 
+    @property
+    def captures(self) -> int:
+        return len(self.meta)
+
     def reset(self) -> None:
-        self.rows = self.captures = 0
-        for s in (self.runs, self.phases, self.sites, self.layers):
-            s.clear()
-        self.step_lo, self.step_hi, self.last = 0, -1, (-1, -1)
+        self.rows = 0
+        self.meta = []
 
     def append(self, cap: Capture, run: int, phase: int, site: int, now: float) -> None:
-        n = cap.tensor.shape[0]
+        n = cap.n_tokens
         r = self.rows
-        src = cap.tensor.view(torch.int16) if self.dtype == torch.bfloat16 else cap.tensor
-        self._dst[r : r + n] = src.numpy()
-        ints, codes = self.ints, self.codes
-        ints[0, r : r + n] = cap.step
-        ids = getattr(cap, "token_array", None)  # int64 [3, n] view on the frame, when the probe offers it
-        if ids is not None:
-            ints[1:, r : r + n] = ids
-        else:
-            ints[1, r : r + n] = cap.seq_ids.numpy()
-            ints[2, r : r + n] = cap.positions.numpy()
-            ints[3, r : r + n] = cap.token_ids.numpy()
-        codes[0, r : r + n] = run
-        codes[1, r : r + n] = phase
-        codes[2, r : r + n] = site
-        codes[3, r : r + n] = cap.layer
-        if self.rows == 0:
+        rb = self.row_bytes
+        self._bytes[r * rb : (r + n) * rb] = cap.payload  # the one copy out of the ZeroMQ frame
+        self.ids[:, r : r + n] = cap.token_array
+        self.meta.append((cap.step, run, phase, site, cap.layer, n))
+        if r == 0:
             self.first_t = now
-            self.step_lo = cap.step
         self.rows = r + n
-        self.captures += 1
-        self.runs.add(run)
-        self.phases.add(phase)
-        self.sites.add(site)
-        self.layers.add(cap.layer)
-        self.step_lo = min(self.step_lo, cap.step)
-        self.step_hi = max(self.step_hi, cap.step)
-        self.last = (run, cap.step)
+
+    def describe(self) -> SlabInfo:
+        """Per-capture constants as arrays plus what the manifest needs (writer thread)."""
+        m = np.array(self.meta, dtype=np.int64).reshape(-1, 6)
+        return SlabInfo(m, len(self.meta), self.rows, set(m[:, 1].tolist()), set(m[:, 2].tolist()),
+                        set(m[:, 3].tolist()), set(m[:, 4].tolist()), int(m[:, 0].min()), int(m[:, 0].max()),
+                        (int(m[-1, 1]), int(m[-1, 0])))
+
+
+@dataclass
+class SlabInfo:
+    meta: np.ndarray  # int64 [captures, 6]: step, run, phase, site, layer, n
+    captures: int
+    rows: int
+    runs: set[int]
+    phases: set[int]
+    sites: set[int]
+    layers: set[int]
+    step_lo: int
+    step_hi: int
+    last: tuple[int, int]  # (run code, step) of the newest capture
+
+    def column(self, j: int, dtype: type) -> np.ndarray:
+        return np.repeat(self.meta[:, j].astype(dtype), self.meta[:, 5])
 
 
 class SlabPool:
@@ -122,7 +120,7 @@ class SlabPool:
     def acquire(self, key: Key, capacity: int, pooled: bool) -> Slab | None:
         """A reset slab of `capacity` rows, or None if the pool was aborted while waiting."""
         dtype, hidden = key
-        nbytes = capacity * (hidden * dtype.itemsize + 48)
+        nbytes = capacity * (hidden * dtype.itemsize + 24)
         with self._cond:
             # One slab is always allowed, or a single oversized capture could never pass.
             while self.outstanding and self.outstanding + nbytes > self.max_pending and not self._aborted:
@@ -139,7 +137,7 @@ class SlabPool:
 
     def release(self, slab: Slab) -> None:
         with self._cond:
-            self.outstanding -= slab.capacity * (slab.hidden * slab.dtype.itemsize + 48)
+            self.outstanding -= slab.capacity * (slab.hidden * slab.dtype.itemsize + 24)
             if slab.pooled:
                 self._free.setdefault(((slab.dtype, slab.hidden), slab.capacity), []).append(slab)
             self._cond.notify_all()
@@ -160,23 +158,24 @@ class Batcher:
         self.flush_seconds = flush_seconds
         self.emit = emit
         self.open: dict[Key, Slab] = {}
+        self.due = float("inf")  # monotonic time when the oldest open slab must be flushed
 
     def add(self, cap: Capture, run: int, phase: int, site: int, now: float) -> bool:
         """Copy one capture in; False if the pool was aborted (the capture is not kept)."""
-        t = cap.tensor
-        key = (t.dtype, t.shape[1])
-        n = t.shape[0]
+        key = (cap.dtype, cap.hidden)
+        n = cap.n_tokens
         slab = self.open.get(key)
         if slab is not None and slab.room < n:
             self._emit(key)
             slab = None
         if slab is None:
-            rows = max(1, self.flush_bytes // (key[1] * t.dtype.itemsize))
+            rows = max(1, self.flush_bytes // (key[1] * key[0].itemsize))
             # A capture bigger than a whole slab (a long prefill, logits) gets a one-off slab.
             slab = self.pool.acquire(key, max(rows, n), pooled=n <= rows)
             if slab is None:
                 return False
             self.open[key] = slab
+            self.due = min(self.due, now + self.flush_seconds)
         slab.append(cap, run, phase, site, now)
         if slab.room == 0:
             self._emit(key)
@@ -184,12 +183,11 @@ class Batcher:
 
     def next_due(self, now: float) -> float | None:
         """Seconds until the oldest open slab must be flushed (None when nothing is open)."""
-        if not self.open:
-            return None
-        oldest = min(s.first_t for s in self.open.values())
-        return max(0.0, oldest + self.flush_seconds - now)
+        return None if not self.open else max(0.0, self.due - now)
 
     def flush_due(self, now: float) -> None:
+        if now < self.due:  # the common case, checked per capture: one comparison
+            return
         for key in [k for k, s in self.open.items() if now - s.first_t >= self.flush_seconds]:
             self._emit(key)
 
@@ -199,6 +197,7 @@ class Batcher:
 
     def _emit(self, key: Key) -> None:
         slab = self.open.pop(key)
+        self.due = min((s.first_t for s in self.open.values()), default=float("inf")) + self.flush_seconds
         if slab.rows:
             self.emit(slab)
         else:
@@ -216,6 +215,7 @@ class Dictionaries:
     def __init__(self) -> None:
         self.codes: dict[str, dict[str, int]] = {"run": {}, "phase": {}, "site": {}}
         self.values: dict[str, tuple[str, ...]] = {"run": (), "phase": (), "site": ()}
+        self._cache: dict[tuple[str, str, str], tuple[int, int, int]] = {}
 
     def code(self, column: str, value: str) -> int:
         m = self.codes[column]
@@ -224,6 +224,14 @@ class Dictionaries:
             c = m[value] = len(m)
             self.values[column] = self.values[column] + (value,)  # new tuple: snapshots stay valid
         return c
+
+    def codes3(self, run: str, phase: str, site: str) -> tuple[int, int, int]:
+        """Codes of one capture's strings; one dict lookup in the steady state."""
+        key = (run, phase, site)
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = (self.code("run", run), self.code("phase", phase), self.code("site", site))
+        return got
 
     def snapshot(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
         v = self.values
@@ -242,13 +250,13 @@ class BatchBuilder:
             arr = self._dict_cache[values] = pa.array(values, pa.string())
         return arr
 
-    def build(self, slab: Slab, schema: pa.Schema, dicts: tuple[tuple[str, ...], ...]) -> pa.RecordBatch:
+    def build(self, slab: Slab, info: SlabInfo, schema: pa.Schema) -> pa.RecordBatch:
         n = slab.rows
         act_type = schema.field("activation").type
         act = pa.FixedSizeListArray.from_arrays(pa.array(slab.values[:n].reshape(-1)), type=act_type)
-        runs, phases, sites = (pa.DictionaryArray.from_arrays(pa.array(slab.codes[i, :n]), self._dict(d))
-                               for i, d in enumerate(dicts))
-        ints = [pa.array(slab.ints[i, :n]) for i in range(4)]
-        layer = pa.array(slab.codes[3, :n])
-        return pa.RecordBatch.from_arrays([runs, ints[0], phases, ints[1], ints[2], ints[3], sites, layer, act],
-                                          schema=schema)
+        runs, phases, sites = (pa.DictionaryArray.from_arrays(pa.array(info.column(j, np.int32)), self._dict(d))
+                               for j, d in zip((1, 2, 3), slab.dicts, strict=True))
+        ids = [pa.array(slab.ids[i, :n]) for i in range(3)]
+        return pa.RecordBatch.from_arrays(
+            [runs, pa.array(info.column(0, np.int64)), phases, ids[0], ids[1], ids[2], sites,
+             pa.array(info.column(4, np.int32)), act], schema=schema)

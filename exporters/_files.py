@@ -1,7 +1,7 @@
 """The writer's files: Arrow IPC streams while recording, renamed or converted when complete.
 
     files = FileSet(Path("rec"), "parquet", rotate_bytes=256 << 20, meta=file_metadata(model))
-    files.write(slab, batch)          # appends to the slab's group
+    files.write(slab, info, batch)    # appends to the slab's group
     files.rotate_if_full(key)         # renames/converts it once it reached rotate_bytes
     files.finish_all()                # every group complete: renamed (arrow) or converted (parquet)
     files.entries()                   # what the manifest lists
@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._batch import Key, Slab
+from ._batch import Key, Slab, SlabInfo
 from ._schema import PARTIAL_SUFFIX, dtype_name, file_name, recording_schema
 
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(emit_dictionary_deltas=False)
@@ -53,7 +53,7 @@ class FileEntry:
     step_hi: int | None = None
     last: tuple[int, int] = (-1, -1)
 
-    def add(self, slab: Slab) -> None:
+    def add(self, slab: SlabInfo) -> None:
         self.rows += slab.rows
         self.captures += slab.captures
         self.runs |= slab.runs
@@ -104,11 +104,11 @@ class FileSet:
             s = self.schemas[key] = recording_schema(key[0], key[1], self.meta)
         return s
 
-    def write(self, slab: Slab, batch: pa.RecordBatch) -> None:
+    def write(self, slab: Slab, info: SlabInfo, batch: pa.RecordBatch) -> None:
         key = (slab.dtype, slab.hidden)
         o = self.open.get(key) or self._start(key)
         o.writer.write_batch(batch)
-        o.entry.add(slab)
+        o.entry.add(info)
         o.entry.bytes = o.sink.tell()
 
     def rotate_if_full(self, key: Key) -> bool:

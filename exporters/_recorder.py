@@ -75,7 +75,7 @@ def _now() -> str:
 class ArrowRecorder:
     def __init__(self, endpoint: str | probe.ProbeSession, out_dir: str | Path, *, sites: Any = None,
                  format: str = "arrow", rotate_bytes: int = 256 << 20, flush_bytes: int = 8 << 20,
-                 flush_seconds: float = 0.25, max_pending_bytes: int = 256 << 20, model: Any = None,
+                 flush_seconds: float = 0.25, max_pending_bytes: int = 64 << 20, model: Any = None,
                  metadata: dict[str, str] | None = None, drain_idle: float = 0.5, overwrite: bool = False,
                  curve_server_key: bytes | None = None, manifest_interval: float = 0.5) -> None:
         if format not in FORMATS:
@@ -238,8 +238,7 @@ class ArrowRecorder:
                 last_msg = now
                 self._received += 1
                 gaps.observe(cap.run, cap.step, cap.site)
-                if not batcher.add(cap, dicts.code("run", cap.run), dicts.code("phase", cap.phase),
-                                   dicts.code("site", cap.site), now):
+                if not batcher.add(cap, *dicts.codes3(cap.run, cap.phase, cap.site), now):
                     self._unwritten += 1
                 batcher.flush_due(now)
         except BaseException as exc:  # a bug here must not leave the writer waiting forever
@@ -267,11 +266,12 @@ class ArrowRecorder:
                     self._unwritten += slab.captures
                     continue
                 key = (slab.dtype, slab.hidden)
-                files.write(slab, builder.build(slab, files.schema(key), slab.dicts))
+                info = slab.describe()
+                files.write(slab, info, builder.build(slab, info, files.schema(key)))
                 written = True
                 self._rows += slab.rows
-                self._written += slab.captures
-                self._last = slab.last
+                self._written += info.captures
+                self._last = info.last
                 self._save_manifest(force=files.rotate_if_full(key))
             except BaseException as exc:
                 if not written:
