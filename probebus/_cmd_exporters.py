@@ -195,7 +195,8 @@ def _record_model(args: argparse.Namespace, prompts: list[str], console: Any, ex
                     chunk = prompts[i : i + args.batch_size]
                     enc = tok(chunk, return_tensors="pt", padding=True)
                     with torch.no_grad():
-                        model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False,
+                        model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                                       max_new_tokens=args.max_new_tokens, do_sample=False,
                                        pad_token_id=tok.pad_token_id, stopping_criteria=StoppingCriteriaList([Count()]))
                     done = min(total, (i + len(chunk)) * args.max_new_tokens)
                     bar.update(done, rec.stats, force=True)

@@ -176,3 +176,27 @@ def test_refuses_existing_recording_and_bad_arguments(tmp_path: Path) -> None:
             exporters.ArrowRecorder(session, tmp_path / "x", format="csv")
         with pytest.raises(probe.SiteError):
             exporters.ArrowRecorder(session, tmp_path / "x", sites="layers.*.nonsense")
+
+
+def test_mixed_widths_group_files_and_filters_skip_files_unopened(tmp_path: Path) -> None:
+    """Residuals (64 wide) and logits (vocab 128 wide) go to separate file groups; a site filter never
+    opens the other group's files (proved by corrupting them), and an unfiltered read widens to list."""
+    model = tiny_llama(layers=2)
+    ids, mask = left_padded(PROMPTS)
+    with probe.attach(model, ["layers.0.resid_post", "logits"]) as session:
+        with exporters.ArrowRecorder(session, tmp_path, flush_bytes=4096, rotate_bytes=20_000):
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                               pad_token_id=PAD)
+    x64, x128 = sorted(tmp_path.glob("float32x64-*.arrow")), sorted(tmp_path.glob("float32x128-*.arrow"))
+    assert x64 and x128
+    mixed = exporters.read_recording(tmp_path)
+    assert pa.types.is_list(mixed.schema.field("activation").type)  # widths differ: variable-size list
+    logits = exporters.activations(tmp_path, site="logits")
+    assert logits.tensor.shape[1] == 128 and len(logits) > 0
+    for f in x64:
+        f.write_bytes(b"not arrow at all")
+    again = exporters.activations(tmp_path, site="logits")  # manifest says these files hold no logits
+    assert torch.equal(again.tensor, logits.tensor)
+    with pytest.raises(pa.ArrowInvalid):
+        exporters.read_recording(tmp_path, sites="layers.0.resid_post")
