@@ -155,7 +155,8 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
     if not pool:  # every sequence is short: train on windows as long as the shortest allows
         pool, window = seqs, min(len(s[0]) for s in seqs) - 2
     gen = torch.Generator().manual_seed(cfg.seed + start)
-    metrics: dict = {"sequences": len(seqs), "tokens": int(sum(len(s[0]) for s in seqs)), "window": window}
+    metrics: dict = {"sequences": len(seqs), "tokens": int(sum(len(s[0]) for s in seqs)), "window": window,
+                     "resumed_from": start}
     t0 = time.perf_counter()
     bar = _Bar(cfg.steps, start) if progress else None
     for step in range(start, cfg.steps):

@@ -111,7 +111,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(steps=args.steps, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, window=args.window,
                       batch=args.batch, lr=args.lr)
     metrics = train_drafter(model, args.recording, args.out, cfg, resume=not args.no_resume, target_name=args.model)
-    print(json.dumps({k: metrics[k] for k in ("sequences", "tokens", "step", "loss", "acc", "seconds")}))
+    print(json.dumps({k: metrics[k] for k in ("sequences", "tokens", "resumed_from", "step", "loss", "acc",
+                                                  "seconds")}))
     print(f"drafter written to {args.out} (speculators layout); try: probebus generate --model {args.model} "
           f"--drafter {args.out} --prompt '...'", file=sys.stderr)
     return 0
