@@ -135,23 +135,8 @@ class ArrowRecorder:
         return self
 
     def _wait_seen(self, timeout: float) -> None:
-        """Block until the session's publisher has registered *this* subscriber.
-
-        Counting subscribers is racy when another one is leaving at the same time (the
-        count stays flat), so look for our presence topic; probe has no public call for
-        that yet, hence the getattr fallbacks to the count.
-        """
-        pub = getattr(self._session, "publisher", None)
-        key = getattr(self._sub, "_presence", None)
-        if pub is None or key is None or not isinstance(getattr(pub, "subscribers", None), set):
-            self._session.wait_for_subscribers(1, timeout=timeout)  # type: ignore[union-attr]
-            return
-        deadline = time.monotonic() + timeout
-        while key not in pub.subscribers:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the probe session at {self.endpoint} did not see the recorder within {timeout}s")
-            pub.kick()
-            time.sleep(0.002)
+        """Block until the session's publisher has registered *this* subscriber (a count would race)."""
+        self._session.wait_for(self._sub, timeout=timeout)  # type: ignore[union-attr]
 
     def stop(self, timeout: float = 60.0, *, raise_on_error: bool = True) -> RecordingSummary:
         """Drain what is in flight (until `drain_idle` s of silence), finish files, write the manifest.

@@ -112,6 +112,17 @@ class Publisher:
                 self._sub_cond.wait(0.05 if left is None else min(left, 0.05))
             return len(self.subscribers)
 
+    def wait_for_presence(self, presence: bytes, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._sub_cond:
+            while presence not in self.subscribers:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.kick()
+                self._sub_cond.wait(0.05 if left is None else min(left, 0.05))
+            return True
+
     def close(self, timeout: float) -> bool:
         """Send everything queued; False if it had to give up after `timeout`.
 

@@ -36,6 +36,7 @@ from ._context import StepContext, cache_length, positions_and_valid
 from ._publisher import Publisher, Staged
 from ._sites import expand_sites, site_layer
 from ._staging import StagingRing
+from ._subscriber import Subscriber
 from ._wire import DTYPE_CODE, PHASE_CODE
 
 POLICIES = ("complete", "best_effort")
@@ -167,6 +168,15 @@ class ProbeSession:
         if got < n:
             raise TimeoutError(f"only {got} of {n} subscribers connected to {self.endpoint} within {timeout}s")
         return got
+
+    def wait_for(self, subscriber: Subscriber, timeout: float | None = 10.0) -> None:
+        """Block until the publisher has registered this particular subscriber.
+
+        Unlike counting (`wait_for_subscribers`), this cannot be fooled by another
+        subscriber leaving at the same moment.
+        """
+        if not self.publisher.wait_for_presence(subscriber.presence, timeout):
+            raise TimeoutError(f"the subscriber did not reach {self.endpoint} within {timeout}s")
 
     @contextmanager
     def context(self, *, phase: str | None = None, seq_ids: Sequence[int] | torch.Tensor | None = None,

@@ -117,8 +117,8 @@ class Subscriber:
         for topic in self.matcher.topics():
             self._sock.setsockopt(zmq.SUBSCRIBE, topic)
         # Subscribed last: once the publisher sees it, all topic filters above are in place.
-        self._presence = PRESENCE + uuid.uuid4().hex.encode()
-        self._sock.setsockopt(zmq.SUBSCRIBE, self._presence)
+        self.presence = PRESENCE + uuid.uuid4().hex.encode()  # this subscriber's private topic
+        self._sock.setsockopt(zmq.SUBSCRIBE, self.presence)
         self._sock.connect(endpoint)
         self._closed = False
         self.ended = False  # the session closed and everything it published has been received
@@ -130,9 +130,9 @@ class Subscriber:
             if not self._sock.poll(deadline_ms if deadline_ms is not None else -1):
                 return None
             frames = self._sock.recv_multipart(copy=False)
-            if len(frames) == 2 and frames[1].bytes == END_OF_STREAM and frames[0].bytes == self._presence:
+            if len(frames) == 2 and frames[1].bytes == END_OF_STREAM and frames[0].bytes == self.presence:
                 self.ended = True  # acknowledge, so the publisher may close its socket
-                self._sock.setsockopt(zmq.UNSUBSCRIBE, self._presence)
+                self._sock.setsockopt(zmq.UNSUBSCRIBE, self.presence)
                 return None
             try:
                 cap = parse_capture(frames)

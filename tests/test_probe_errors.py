@@ -69,6 +69,12 @@ def test_wait_for_subscribers_times_out_clearly() -> None:
     with probe.attach(build("llama"), "embed") as session:
         with pytest.raises(TimeoutError, match="only 0 of 1 subscribers"):
             session.wait_for_subscribers(1, timeout=0.2)
+        elsewhere = probe.Subscriber("tcp://127.0.0.1:1")  # connected to nothing
+        with pytest.raises(TimeoutError, match="did not reach"):
+            session.wait_for(elsewhere, timeout=0.2)
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for(sub, timeout=10)
+        assert session.stats.subscribers == 1
 
 
 def test_malformed_frames_are_counted_and_ignored() -> None:
