@@ -1,0 +1,44 @@
+"""The console entry point end to end on the shipped model: demo, sites, record, generate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import exporters
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "probebus", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    res = _run("demo", "--keep", str(tmp_path / "rec"), "--max-new-tokens", "16")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "recording:" in res.stdout and "layers.7.resid_post" in res.stdout
+    info = exporters.summarize_recording(tmp_path / "rec")
+    sites = {r["site"]: r for r in info["sites"]}
+    assert len(sites) == 9 and len({r["rows"] for r in sites.values()}) == 1  # 8 resid_post + final_norm
+    assert all(r["sequences"] == 4 for r in sites.values())
+
+
+def test_sites_of_the_default_model() -> None:
+    res = _run("sites", "default", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["n_layers"] == 8 and out["family"] == "llama-like" and "layers.5.resid_pre" in out["sites"]
+    bad = _run("sites", "default", "--match", "layers.8.resid_post")
+    assert bad.returncode == 2 and "out of range; the model has 8 layers" in bad.stderr
+
+
+@pytest.mark.parametrize("command", ["sites", "demo", "record", "inspect", "top", "generate", "train-drafter"])
+def test_every_subcommand_has_help(command: str) -> None:
+    res = _run(command, "--help", timeout=60)
+    assert res.returncode == 0 and "usage: probebus " + command in res.stdout
