@@ -1,0 +1,37 @@
+"""On the shipped model with the shipped drafter: greedy speculative output equals `generate`
+(batch 1 and batch 4, held-out prompts), and the trained drafter really is accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decoder_greedy import assert_same_or_near_tie
+
+from decoder import NgramDrafter, SpeculativeDecoder, load_drafter
+from probebus._code_prompts import code_prompts
+from probebus._load import load_model, resolve_drafter
+
+
+@pytest.fixture(scope="module")
+def target():  # noqa: ANN201
+    return load_model("default")
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_generate_on_the_default_model(target, batch: int) -> None:  # noqa: ANN001
+    model, tok = target
+    prompts = code_prompts("heldout", batch, seed=batch)
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        want = model.generate(**enc, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                              pad_token_id=tok.pad_token_id)
+    drafter = load_drafter(resolve_drafter("default"), model)
+    for name, spec in (("eagle", SpeculativeDecoder(model, drafter, k=5)),
+                       ("auto", SpeculativeDecoder(model, "auto", eagle=drafter, k=5)),
+                       ("ngram", SpeculativeDecoder(model, NgramDrafter(), k=5))):
+        with spec:
+            out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=40,
+                                pad_token_id=tok.pad_token_id)
+        assert_same_or_near_tie(model, out.sequences, want, enc.attention_mask)
+        if name == "eagle":  # a trained head on its own target: far above the 1.0 of a useless drafter
+            assert out.stats.tau > 1.8, out.stats.as_dict()
