@@ -124,7 +124,7 @@ class SpeculativeDecoder:
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         lens = mask.sum(1)
-        max_len = p_len + max_new_tokens + self.k + 2
+        max_len = p_len + max_new_tokens + 2 * self.k + 4  # a row may overshoot its budget by k, then drafts k
         toks = torch.zeros(b, max_len, dtype=torch.long)  # each row's real tokens by position
         for r in range(b):
             toks[r, : lens[r]] = input_ids[r, mask[r].bool()]
