@@ -58,6 +58,10 @@ class Clock(BaseStreamer):
     def end(self) -> None:
         pass
 
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive decode tokens (prefill excluded)."""
+        return [b - a for a, b in zip(self.times[1:-1], self.times[2:], strict=True)]
+
     def decode_tok_s(self, batch: int) -> float:
         # times[0]: prompt pushed; times[1]: first token (after prefill); then one per decode step.
         steps = len(self.times) - 2
@@ -98,7 +102,7 @@ class NaiveHooks:
         self.sock.close(1000)
 
 
-def run_decode(model, ids, mode: str, endpoints: dict[str, str]) -> float:  # noqa: ANN001
+def run_decode(model, ids, mode: str, endpoints: dict[str, str]) -> Clock:  # noqa: ANN001
     clock = Clock()
     kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, streamer=clock,
               eos_token_id=None, pad_token_id=0)
@@ -117,7 +121,7 @@ def run_decode(model, ids, mode: str, endpoints: dict[str, str]) -> float:  # no
         with torch.no_grad():
             model.generate(ids, **kw)
         naive.close()
-    return clock.decode_tok_s(ids.shape[0])
+    return clock
 
 
 def decode_overhead() -> None:
@@ -133,19 +137,26 @@ def decode_overhead() -> None:
             modes = ["none", "probebus", "naive"]
             run_decode(model, ids, "none", endpoints)  # warm-up
             got: dict[str, list[float]] = {m: [] for m in modes}
+            steps: dict[str, list[float]] = {m: [] for m in modes}
             for rep in range(args.repeats):
                 for m in modes[rep % 3:] + modes[: rep % 3]:
-                    got[m].append(run_decode(model, ids, m, endpoints))
+                    clock = run_decode(model, ids, m, endpoints)
+                    got[m].append(clock.decode_tok_s(batch))
+                    steps[m].extend(clock.intervals())
+            # Two views: median run throughput, and the median per-token step time over every
+            # token of every run (robust to bursts of load from outside the VM).
             med = {m: statistics.median(v) for m, v in got.items()}
-            base = med["none"]
-            slow = {m: 1 - med[m] / base for m in modes}
-            print(f"\nbatch {batch}: decode tok/s, median of {args.repeats} interleaved repeats")
+            step = {m: batch / statistics.median(v) for m, v in steps.items()}
+            print(f"\nbatch {batch}: decode tok/s, {args.repeats} interleaved repeats")
             for m in modes:
                 spread = f"[{min(got[m]):.1f}..{max(got[m]):.1f}]"
-                print(f"  {m:9s} {med[m]:8.1f} tok/s {spread:>18s}  ratio {med[m] / base:.3f}  "
-                      f"slowdown {100 * slow[m]:+.1f}%")
-            ratio = slow["naive"] / slow["probebus"] if slow["probebus"] > 0 else float("inf")
-            print(f"  naive overhead / probebus overhead = {ratio:.1f}x")
+                slow_run, slow_step = 100 * (1 - med[m] / med["none"]), 100 * (1 - step[m] / step["none"])
+                print(f"  {m:9s} run median {med[m]:7.1f} tok/s {spread:>15s} ({slow_run:+5.1f}%)"
+                      f"   per-token median {step[m]:7.1f} tok/s ({slow_step:+5.1f}%)")
+            for name, v in (("run median", med), ("per-token median", step)):
+                pb, nv = 1 - v["probebus"] / v["none"], 1 - v["naive"] / v["none"]
+                ratio = f"{nv / pb:.1f}x" if pb > 0 else "probebus overhead not measurable (<= 0)"
+                print(f"  {name}: naive overhead / probebus overhead = {ratio}")
     finally:
         for c in children:
             c.kill()

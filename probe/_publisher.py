@@ -54,8 +54,9 @@ class Staged:
 
 class Publisher:
     def __init__(self, endpoint: str, *, run: str, policy: str, ring: StagingRing, sndhwm: int,
-                 curve_secret_key: bytes | None = None) -> None:
+                 curve_secret_key: bytes | None = None, background: bool = True) -> None:
         self.requested_endpoint = endpoint
+        self.background = background
         self.endpoint = ""
         self.run = run.encode()
         self.complete = policy == "complete"
@@ -146,6 +147,14 @@ class Publisher:
     # --- publisher thread ------------------------------------------------------------
     def _main(self) -> None:
         ctx = zmq.Context(io_threads=1)
+        if self.background and hasattr(os, "setpriority"):
+            # Lowest CFS weight (nice 19) for this thread only: it still always runs, but it
+            # rarely preempts the model's OpenMP threads, whose barrier would otherwise stall
+            # for the whole time slice. (SCHED_IDLE was not used: it can starve forever.)
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except OSError:
+                pass
         sock = ctx.socket(zmq.XPUB)
         try:
             sock.setsockopt(zmq.XPUB_NODROP, 1)
