@@ -117,11 +117,18 @@ class Eagle3Layer(nn.Module):
         self.mlp.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
         self.register_buffer("inv_freq", inv, persistent=False)
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        ang = positions[:, None, :, None].float() * self.inv_freq  # [B, 1, S, hd/2]
-        cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
-        sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+        need = int(positions.max()) + 1
+        if self._cos is None or self._cos.shape[0] < need or self._cos.dtype != x.dtype:
+            # cos/sin for every position once: per-call trigonometry was a visible share of a draft step
+            n = max(need, self.cfg.max_position_embeddings)
+            ang = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq
+            self._cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
+            self._sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [B, 1, S, hd]
         half = x.shape[-1] // 2
         rot = torch.cat([-x[..., half:], x[..., :half]], -1)
         return x * cos + rot * sin
@@ -147,9 +154,7 @@ class Eagle3Layer(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                residual: torch.Tensor) -> torch.Tensor:
         """Attention of q over (k, v) under a boolean mask [B|1, S, T], then the MLP block."""
-        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                             attn_mask=mask[:, None])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
         b, _, s, _ = q.shape
         h = residual + self.self_attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         m = self.mlp

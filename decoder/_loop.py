@@ -100,8 +100,8 @@ class SpeculativeDecoder:
 
     def close(self) -> None:
         if self.session is not None:
+            self.sub.close()  # first: the session then has no one to wait for at its end of stream
             self.session.close()
-            self.sub.close()
             self.session = None
 
     def __enter__(self) -> SpeculativeDecoder:
@@ -289,13 +289,12 @@ class SpeculativeDecoder:
         h, logits = self._h_last, self._logits_last
         pos = self._fed_end + 1
         for i in range(k):
-            tl = self.eagle.target_logits(logits[:, 0])
-            if temperature > 0:
-                q = (tl / temperature).softmax(-1)
+            if temperature > 0:  # the sampling rule needs q over the target vocabulary
+                q = (self.eagle.target_logits(logits[:, 0]) / temperature).softmax(-1)
                 d = torch.multinomial(q, 1, generator=gen).squeeze(-1)
                 qs.append(q)
-            else:
-                d = tl.argmax(-1)
+            else:  # argmax in the draft vocabulary, then d2t: no scatter onto the full vocabulary
+                d = self.eagle.to_target(logits[:, 0].argmax(-1))
             drafts.append(d)
             if i + 1 < k:  # feed the drafter's own output back as the next feature
                 h, logits = self.eagle(h, d[:, None], pos[:, None] + i, self.dcache)

@@ -15,6 +15,7 @@ count them (`wait_for_subscribers`) without any extra socket.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -32,6 +33,14 @@ PRESENCE = b"\x00probebus/subscriber/"
 END_OF_STREAM = b"probebus:end-of-stream"
 # Closed publishers whose sockets still wait for end-of-stream acknowledgements, by endpoint.
 _LINGERING: weakref.WeakValueDictionary[str, Publisher] = weakref.WeakValueDictionary()
+
+
+@atexit.register
+def _finish_lingering() -> None:
+    """Let closed sockets finish their end-of-stream before the interpreter kills daemon threads
+    (killing one inside libzmq aborts the process with "terminate called without an active exception")."""
+    for pub in list(_LINGERING.values()):
+        pub._thread.join(min(2.0, pub._linger_ms / 1000))
 ZERO_COPY_MIN = zmq.COPY_THRESHOLD  # below this pyzmq copies anyway; a memcpy beats a tracker
 
 
