@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 
 import torch
 
-from decoder import NgramDrafter, SpeculativeDecoder, load_drafter
+from decoder import NgramDrafter, RemoteEagle, SpeculativeDecoder, load_drafter
 from probebus._code_prompts import code_prompts
 from probebus._load import load_model, resolve_drafter
 
@@ -74,9 +75,13 @@ def main() -> None:
     prompts = code_prompts("heldout", args.prompts)
     drafter = load_drafter(resolve_drafter(args.drafter), model)
     global SPECS
+    server = subprocess.Popen([sys.executable, "-m", "decoder._remote", "--bind", "tcp://127.0.0.1:47920",
+                               "--drafter", args.drafter])
+    remote = RemoteEagle("tcp://127.0.0.1:47920", timeout=120)
     SPECS = {
         "probebus n-gram": SpeculativeDecoder(model, NgramDrafter(), k=args.k),
         "probebus EAGLE-3": SpeculativeDecoder(model, drafter, k=args.k),
+        "EAGLE-3 remote": SpeculativeDecoder(model, remote, k=args.k),
         "probebus auto": SpeculativeDecoder(model, "auto", eagle=drafter, k=args.k),
     }
     assistant = load_model(args.assistant)[0] if args.assistant else None
@@ -85,7 +90,7 @@ def main() -> None:
     print(f"target: default ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, fp32), drafter "
           f"{args.drafter}, k={args.k}, {len(prompts)} held-out prompts, {args.new_tokens} new tokens, greedy")
     for batch in args.batches:
-        methods = ["plain generate", "probebus n-gram", "probebus EAGLE-3", "probebus auto"]
+        methods = ["plain generate", "probebus n-gram", "probebus EAGLE-3", "EAGLE-3 remote", "probebus auto"]
         if batch == 1:
             methods.insert(1, "hf prompt lookup")
             if assistant is not None:
@@ -110,6 +115,9 @@ def main() -> None:
             print("  (HF prompt lookup and assisted generation support batch size 1 only)")
     for s in SPECS.values():
         s.close()
+    remote.shutdown()
+    server.wait(30)
+    print("EAGLE-3 remote = the same drafter in its own process (features over the bus, drafts over REQ/REP)")
 
 
 if __name__ == "__main__":

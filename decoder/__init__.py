@@ -9,12 +9,15 @@
 
 from ._checkpoint import DrafterError, check_against_target, load_drafter, save_drafter
 from ._eagle import DraftCache, Eagle3Config, Eagle3Drafter, default_aux_layers
+from ._feeder import EagleFeeder
 from ._loop import SpecOutput, SpecStats, SpeculativeDecoder
 from ._ngram import NgramDrafter
+from ._remote import RemoteEagle, serve_drafter
 from ._verify import accept, target_probs, verify_greedy, verify_sampling
 
 __all__ = [
-    "DraftCache", "DrafterError", "Eagle3Config", "Eagle3Drafter", "NgramDrafter", "SpecOutput", "SpecStats",
+    "DraftCache", "DrafterError", "EagleFeeder", "RemoteEagle", "serve_drafter",
+    "Eagle3Config", "Eagle3Drafter", "NgramDrafter", "SpecOutput", "SpecStats",
     "SpeculativeDecoder", "accept", "check_against_target", "default_aux_layers", "load_drafter", "save_drafter",
     "target_probs", "verify_greedy", "verify_sampling",
 ]

@@ -23,7 +23,9 @@ from transformers import DynamicCache
 import probe
 
 from ._eagle import Eagle3Drafter
+from ._feeder import EagleFeeder
 from ._ngram import NgramDrafter
+from ._remote import RemoteEagle
 from ._verify import target_probs, verify_greedy, verify_sampling
 
 
@@ -80,8 +82,8 @@ class SpecOutput:
 class SpeculativeDecoder:
     """drafter: an Eagle3Drafter, an NgramDrafter, "auto" (both, chosen per round), or None."""
 
-    def __init__(self, target: nn.Module, drafter: Eagle3Drafter | NgramDrafter | str | None = None, *,
-                 k: int = 5, ngram: NgramDrafter | None = None, eagle: Eagle3Drafter | None = None,
+    def __init__(self, target: nn.Module, drafter: Eagle3Drafter | RemoteEagle | NgramDrafter | str | None = None,
+                 *, k: int = 5, ngram: NgramDrafter | None = None, eagle: Eagle3Drafter | RemoteEagle | None = None,
                  endpoint: str | None = None) -> None:
         self.target, self.k = target, k
         if drafter == "auto":
@@ -89,18 +91,23 @@ class SpeculativeDecoder:
                 raise ValueError("drafter='auto' needs eagle=Eagle3Drafter(...)")
             self.eagle, self.ngram = eagle, ngram or NgramDrafter()
         else:
-            self.eagle = drafter if isinstance(drafter, Eagle3Drafter) else None
+            self.eagle = drafter if isinstance(drafter, (Eagle3Drafter, RemoteEagle)) else None
             self.ngram = drafter if isinstance(drafter, NgramDrafter) else None
         self.session = self.sub = None
+        self.feeder: EagleFeeder | RemoteEagle | None = None
         if self.eagle is not None:
-            self.sites = [f"layers.{i}.resid_pre" for i in self.eagle.config.aux_layer_ids]
-            self.session = probe.attach(target, self.sites, endpoint=endpoint)
-            self.sub = probe.Subscriber(self.session.endpoint, self.sites)
+            ids = self.eagle.config.aux_layer_ids
+            self.session = probe.attach(target, [f"layers.{i}.resid_pre" for i in ids], endpoint=endpoint)
+            if isinstance(self.eagle, RemoteEagle):
+                self.feeder = self.eagle
+                self.feeder.connect(self.session.endpoint)
+            else:
+                self.feeder = EagleFeeder(self.eagle, self.session.endpoint)
             self.session.wait_for_subscribers(1)
 
     def close(self) -> None:
         if self.session is not None:
-            self.sub.close()  # first: the session then has no one to wait for at its end of stream
+            self.feeder.close()  # first: the session then has no one to wait for at its end of stream
             self.session.close()
             self.session = None
 
@@ -205,18 +212,14 @@ class SpeculativeDecoder:
 
     # --- pieces ---------------------------------------------------------------------------
     def _prepare(self, batch: int, max_len: int) -> None:
-        self._seq_base = None
-        if self.eagle is not None:
-            h = self.eagle.config.target_hidden_size
-            self.feats = torch.zeros(batch, max_len, 3 * h, dtype=self.eagle.fc.weight.dtype)
-            self.dcache = self.eagle.new_cache(batch, max_len)
-            self._h_last = self._logits_last = None
+        self._seq_ids = None
+        if self.feeder is not None:
+            self.feeder.prepare(batch, max_len)
 
     def _context(self, phase: str, positions: torch.Tensor | None = None):  # noqa: ANN202
         if self.session is None:
             return torch.no_grad()
         if phase == "prefill":
-            self._step_seq = None
             return self.session.context(phase="prefill")
         b = positions.shape[0]
         return self.session.context(phase="verify", seq_ids=self._seq_ids, positions=positions,
@@ -224,49 +227,15 @@ class SpeculativeDecoder:
 
     def _feed(self, st: SpecStats, *, start: torch.Tensor, end: torch.Tensor, toks: torch.Tensor,
               last_pos: torch.Tensor) -> None:
-        """Take the accepted positions' features off the bus and run the drafter over them."""
-        if self.eagle is None:
+        """Hand the drafter this forward's accepted positions; it reads their features off the bus."""
+        if self.feeder is None:
             return
-        tb = time.perf_counter()
-        self._collect(start, end)
-        td = time.perf_counter()
-        st.bus_s += td - tb
-        b = start.shape[0]
-        span = int((end - start).max()) + 1
-        pos = torch.minimum(start[:, None] + torch.arange(span), end[:, None])  # ragged rows repeat their last
-        rows = torch.arange(b)[:, None]
-        self.dcache.truncate(start)
-        hidden = self.eagle.fuse(self.feats[rows, pos])
-        h, logits = self.eagle(hidden, toks[rows, pos + 1], pos, self.dcache)
-        pick = (end - start)[:, None, None]
-        self._h_last = h.gather(1, pick.expand(b, 1, h.shape[-1]))
-        self._logits_last = logits.gather(1, pick.expand(b, 1, logits.shape[-1]))
-        self._fed_end = end
-        st.draft_s += time.perf_counter() - td
-
-    def _collect(self, start: torch.Tensor, end: torch.Tensor) -> None:
-        """Receive this step's three feature captures; keep accepted positions only."""
-        step = None
-        got: set[str] = set()
-        h = self.eagle.config.target_hidden_size
-        slot = {s: i for i, s in enumerate(self.sites)}
-        while len(got) < 3:
-            cap = self.sub.recv(timeout=30)
-            if cap is None:
-                raise RuntimeError("no features arrived from the probe bus within 30 s")
-            if step is not None and cap.step != step:
-                continue
-            if cap.step < self.session.step:  # a capture from an earlier, already consumed step
-                continue
-            step = cap.step
-            got.add(cap.site)
-            if self._seq_base is None:
-                self._seq_base = int(cap.seq_ids.min())
-                self._seq_ids = torch.arange(self._seq_base, self._seq_base + start.shape[0])
-            r = cap.seq_ids - self._seq_base
-            keep = (cap.positions >= start[r]) & (cap.positions <= end[r])
-            i = slot[cap.site]
-            self.feats[r[keep], cap.positions[keep], i * h:(i + 1) * h] = cap.tensor[keep]
+        t0 = time.perf_counter()
+        seq_base, bus_s = self.feeder.feed(self.session.step, start, end, toks)
+        if self._seq_ids is None:
+            self._seq_ids = torch.arange(seq_base, seq_base + start.shape[0])
+        st.bus_s += bus_s
+        st.draft_s += time.perf_counter() - t0 - bus_s
 
     def _draft(self, toks: torch.Tensor, last_pos: torch.Tensor, temperature: float,
                gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -285,20 +254,9 @@ class SpeculativeDecoder:
                 return d.view(b, width), q, True
         if self.eagle is None:
             return torch.zeros(b, 0, dtype=torch.long), None, False
-        drafts, qs = [], []
-        h, logits = self._h_last, self._logits_last
-        pos = self._fed_end + 1
-        for i in range(k):
-            if temperature > 0:  # the sampling rule needs q over the target vocabulary
-                q = (self.eagle.target_logits(logits[:, 0]) / temperature).softmax(-1)
-                d = torch.multinomial(q, 1, generator=gen).squeeze(-1)
-                qs.append(q)
-            else:  # argmax in the draft vocabulary, then d2t: no scatter onto the full vocabulary
-                d = self.eagle.to_target(logits[:, 0].argmax(-1))
-            drafts.append(d)
-            if i + 1 < k:  # feed the drafter's own output back as the next feature
-                h, logits = self.eagle(h, d[:, None], pos[:, None] + i, self.dcache)
-        return torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None, False
+        seed = int(torch.randint(2**31 - 1, (1,), generator=gen)) if temperature > 0 else None
+        drafts, q = self.feeder.draft(k, temperature, seed)
+        return drafts, q, False
 
     @staticmethod
     def _choose(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
