@@ -75,7 +75,7 @@ def main() -> None:
     prompts = code_prompts("heldout", args.prompts)
     drafter = load_drafter(resolve_drafter(args.drafter), model)
     global SPECS
-    server = subprocess.Popen([sys.executable, "-m", "decoder._remote", "--bind", "tcp://127.0.0.1:47920",
+    server = subprocess.Popen([sys.executable, "-m", "decoder", "--bind", "tcp://127.0.0.1:47920",
                                "--drafter", args.drafter])
     remote = RemoteEagle("tcp://127.0.0.1:47920", timeout=120)
     SPECS = {

@@ -1,7 +1,7 @@
 """Run the drafter in another process: features reach it over the probe bus, drafts come back
 over a REQ/REP socket.
 
-    python -m decoder._remote --bind tcp://127.0.0.1:5600 --model default --drafter default   # process A
+    python -m decoder --bind tcp://127.0.0.1:5600 --model default --drafter default   # process A
     spec = SpeculativeDecoder(model, RemoteEagle("tcp://127.0.0.1:5600"), k=5)              # process B
 
 Messages are a JSON header frame plus raw little-endian array frames (dtype and shape in
@@ -12,7 +12,6 @@ bounds and token ids in, k draft ids (and q when sampling) out.
 
 from __future__ import annotations
 
-import argparse
 import json
 from types import SimpleNamespace
 
@@ -125,13 +124,3 @@ def serve_drafter(bind: str, model: str, drafter: str) -> None:
         except Exception as exc:  # answer with the error; the server stays up
             sock.send_multipart(_pack({"error": f"{type(exc).__name__}: {exc}"}, []))
     sock.close()
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bind", default="tcp://127.0.0.1:5600")
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--drafter", default="default")
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    serve_drafter(a.bind, a.model, a.drafter)

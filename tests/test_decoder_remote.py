@@ -25,7 +25,7 @@ def server():  # noqa: ANN201
     free = port.bind_to_random_port("tcp://127.0.0.1")
     port.close(0)
     address = f"tcp://127.0.0.1:{free}"
-    proc = subprocess.Popen([sys.executable, "-m", "decoder._remote", "--bind", address], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "decoder", "--bind", address], cwd=ROOT)
     remote = RemoteEagle(address, timeout=120)
     yield remote
     remote.shutdown()
