@@ -42,3 +42,16 @@ def test_sites_of_the_default_model() -> None:
 def test_every_subcommand_has_help(command: str) -> None:
     res = _run(command, "--help", timeout=60)
     assert res.returncode == 0 and "usage: probebus " + command in res.stdout
+
+
+def test_generate_json_with_the_default_drafter_matches_no_drafter() -> None:
+    outs = {}
+    for drafter in ("default", "none", "ngram"):
+        res = _run("generate", "--model", "default", "--drafter", drafter, "--prompt", "def parse_args(argv):\n",
+                   "--max-new-tokens", "24", "--json")
+        assert res.returncode == 0, res.stderr[-2000:]
+        outs[drafter] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert outs["default"]["token_ids"] == outs["none"]["token_ids"] == outs["ngram"]["token_ids"]
+    assert outs["default"]["text"] and outs["default"]["stats"]["tau"] > outs["none"]["stats"]["tau"] == 1.0
+    bad = _run("generate", "--model", "default", "--drafter", "/nonexistent", "--prompt", "x")
+    assert bad.returncode == 2 and "no config.json" in bad.stderr
