@@ -36,6 +36,7 @@ class EagleFeeder:
         self.feats = torch.zeros(batch, max_len, 3 * h, dtype=self.drafter.fc.weight.dtype)
         self.cache = self.drafter.new_cache(batch, max_len)
         self.seq_base: int | None = None
+        self.h_last: torch.Tensor | None = None
 
     @torch.no_grad()
     def feed(self, step: int, start: torch.Tensor, end: torch.Tensor, toks: torch.Tensor) -> tuple[int, float]:
@@ -75,6 +76,8 @@ class EagleFeeder:
 
     @torch.no_grad()
     def draft(self, k: int, temperature: float, seed: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if getattr(self, "h_last", None) is None:
+            raise RuntimeError("draft() before feed(): the drafter has no features of this sequence yet")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         d = self.drafter
         drafts, qs = [], []

@@ -99,6 +99,8 @@ def serve_drafter(bind: str, model: str, drafter: str) -> None:
         try:
             header, arrays = _unpack(sock.recv_multipart())
             op, out, reply = header.get("op"), [], {}
+            if op in ("prepare", "feed", "draft") and feeder is None:
+                raise RuntimeError(f"{op!r} before 'subscribe': no loop is connected to this drafter")
             if op == "hello":
                 reply = {"config": {"aux_layer_ids": d.config.aux_layer_ids}}
             elif op == "subscribe":

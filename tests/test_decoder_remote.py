@@ -51,7 +51,7 @@ def test_remote_drafter_drafts_like_the_local_one(server: RemoteEagle) -> None:
 
 
 def test_remote_errors_are_reported_not_hung(server: RemoteEagle) -> None:
-    with pytest.raises(RuntimeError, match="drafter server: AttributeError"):
-        server.draft(3, 0.0, None)  # nothing fed yet
+    with pytest.raises(RuntimeError, match="drafter server: RuntimeError: 'draft' before 'subscribe'"):
+        server.draft(3, 0.0, None)  # no loop connected yet
     with pytest.raises(RuntimeError, match="unknown op"):
         server._call({"op": "nonsense"})
