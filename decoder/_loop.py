@@ -93,7 +93,7 @@ class SpeculativeDecoder:
         else:
             self.eagle = drafter if isinstance(drafter, (Eagle3Drafter, RemoteEagle)) else None
             self.ngram = drafter if isinstance(drafter, NgramDrafter) else None
-        self.session = self.sub = None
+        self.session = None
         self.feeder: EagleFeeder | RemoteEagle | None = None
         if self.eagle is not None:
             ids = self.eagle.config.aux_layer_ids
@@ -153,7 +153,7 @@ class SpeculativeDecoder:
         toks[torch.arange(b), last_pos] = nxt
         emitted += 1
         done |= torch.isin(nxt, eos)
-        self._feed(st, start=torch.zeros_like(lens), end=lens - 1, toks=toks, last_pos=last_pos)
+        self._feed(st, start=torch.zeros_like(lens), end=lens - 1, toks=toks)
 
         while not bool((done | (emitted >= max_new_tokens)).all()):
             td = time.perf_counter()
@@ -204,7 +204,7 @@ class SpeculativeDecoder:
             mask = mask[:, :keep_cols]
             start = last_pos.clone()
             last_pos = last_pos + n_eff + 1
-            self._feed(st, start=start, end=torch.maximum(last_pos - 1, start), toks=toks, last_pos=last_pos)
+            self._feed(st, start=start, end=torch.maximum(last_pos - 1, start), toks=toks)
 
         st.emitted = int(emitted.sum())
         st.seconds = time.perf_counter() - t0
@@ -225,8 +225,7 @@ class SpeculativeDecoder:
         return self.session.context(phase="verify", seq_ids=self._seq_ids, positions=positions,
                                     valid=torch.ones(b, positions.shape[1], dtype=torch.bool))
 
-    def _feed(self, st: SpecStats, *, start: torch.Tensor, end: torch.Tensor, toks: torch.Tensor,
-              last_pos: torch.Tensor) -> None:
+    def _feed(self, st: SpecStats, *, start: torch.Tensor, end: torch.Tensor, toks: torch.Tensor) -> None:
         """Hand the drafter this forward's accepted positions; it reads their features off the bus."""
         if self.feeder is None:
             return

@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,27 +112,24 @@ class Publisher:
             except (BlockingIOError, OSError):
                 pass
 
-    def wait_for_subscribers(self, n: int, timeout: float | None) -> int:
+    def _wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait (kicking the thread so it reads subscriptions) until `ready()`; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._sub_cond:
-            while len(self.subscribers) < n:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self.kick()
-                self._sub_cond.wait(0.05 if left is None else min(left, 0.05))
-            return len(self.subscribers)
-
-    def wait_for_presence(self, presence: bytes, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._sub_cond:
-            while presence not in self.subscribers:
+            while not ready():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self.kick()
                 self._sub_cond.wait(0.05 if left is None else min(left, 0.05))
             return True
+
+    def wait_for_subscribers(self, n: int, timeout: float | None) -> int:
+        self._wait_until(lambda: len(self.subscribers) >= n, timeout)
+        return len(self.subscribers)
+
+    def wait_for_presence(self, presence: bytes, timeout: float | None) -> bool:
+        return self._wait_until(lambda: presence in self.subscribers, timeout)
 
     def close(self, timeout: float) -> bool:
         """Send everything queued; False if it had to give up after `timeout`.

@@ -2,7 +2,7 @@
 
     ring = StagingRing(64 << 20)
     off = ring.alloc(nbytes, block=True)    # None when full and block=False
-    ring.view(off, torch.float32, (n, hidden)).copy_(rows)
+    np.copyto(ring.bytes_at(off, nbytes).reshape(n, -1), rows)
     ...
     ring.release_oldest()                   # publisher, once ZeroMQ is done with it
 
@@ -89,15 +89,6 @@ class StagingRing:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-    @property
-    def used(self) -> int:
-        with self._cond:
-            return sum(s for _, s in self._live)
-
-    def view(self, off: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        n = shape[0] * shape[1] * dtype.itemsize
-        return self.buffer[off : off + n].view(dtype).view(shape)
 
     def bytes_at(self, off: int, nbytes: int) -> np.ndarray:
         return self.array[off : off + nbytes]

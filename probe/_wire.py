@@ -59,10 +59,6 @@ class Header(NamedTuple):  # a NamedTuple: built per message, 5x cheaper than a 
     hidden: int
     n_tokens: int
 
-    @property
-    def payload_nbytes(self) -> int:
-        return self.n_tokens * self.hidden * self.dtype.itemsize
-
 
 def encode_envelope(run: bytes, site: bytes, phase: int, dtype: int, step: int, layer: int, hidden: int,
                     tokens: bytes | memoryview, payload: bytes | memoryview = b"") -> bytes:
