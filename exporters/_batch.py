@@ -28,6 +28,12 @@ from probe import Capture
 from ._schema import numpy_storage
 
 Key = tuple[torch.dtype, int]  # (captured dtype, hidden): one file group
+ID_BYTES = 24  # seq_id, position, token_id (int64 each) per row
+
+
+def slab_row_bytes(dtype: torch.dtype, hidden: int) -> int:
+    """Memory one row of a slab holds: the activation plus its three ids."""
+    return hidden * dtype.itemsize + ID_BYTES
 
 
 class Slab:
@@ -108,19 +114,32 @@ class SlabPool:
     When the writer falls behind and the bound is reached, `acquire` waits: the
     receiver stops reading the socket and back-pressure reaches the publisher (which
     blocks under `complete` and drops under `best_effort`), never unbounded memory.
+    The bound holds except for one slab bigger than the bound itself, which is let
+    through alone once everything else was written (a 69 MB logits capture, say).
     """
 
     def __init__(self, max_pending_bytes: int) -> None:
         self.max_pending = max_pending_bytes
         self.outstanding = 0
         self._free: dict[tuple[Key, int], list[Slab]] = {}
+        self._free_bytes = 0  # recycled slabs count too: outstanding + free stays within the bound
         self._cond = threading.Condition()
         self._aborted = False
 
-    def acquire(self, key: Key, capacity: int, pooled: bool) -> Slab | None:
-        """A reset slab of `capacity` rows, or None if the pool was aborted while waiting."""
+    def acquire(self, key: Key, capacity: int, pooled: bool,
+                make_room: Callable[[], None] | None = None) -> Slab | None:
+        """A reset slab of `capacity` rows, or None if the pool was aborted while waiting.
+
+        Before waiting, `make_room()` is called once: the caller hands its own open slabs
+        to the writer, so that everything the wait depends on is in the writer's hands
+        (a receiver waiting for memory it holds itself would wait forever).
+        """
         dtype, hidden = key
-        nbytes = capacity * (hidden * dtype.itemsize + 24)
+        nbytes = capacity * slab_row_bytes(dtype, hidden)
+        with self._cond:
+            must_wait = self.outstanding and self.outstanding + nbytes > self.max_pending
+        if must_wait and make_room is not None:
+            make_room()  # outside the lock: emitting an empty slab releases it here
         with self._cond:
             # One slab is always allowed, or a single oversized capture could never pass.
             while self.outstanding and self.outstanding + nbytes > self.max_pending and not self._aborted:
@@ -130,6 +149,11 @@ class SlabPool:
             self.outstanding += nbytes
             free = self._free.get((key, capacity)) if pooled else None
             slab = free.pop() if free else None
+            if slab is not None:
+                self._free_bytes -= nbytes
+            elif self._free_bytes and self.outstanding + self._free_bytes > self.max_pending:
+                self._free.clear()  # a new shape needs the room: let the recycled slabs go
+                self._free_bytes = 0
         if slab is None:
             slab = Slab(key[0], key[1], capacity, pooled=pooled)
         slab.reset()
@@ -137,9 +161,11 @@ class SlabPool:
 
     def release(self, slab: Slab) -> None:
         with self._cond:
-            self.outstanding -= slab.capacity * (slab.hidden * slab.dtype.itemsize + 24)
-            if slab.pooled:
+            nbytes = slab.capacity * slab_row_bytes(slab.dtype, slab.hidden)
+            self.outstanding -= nbytes
+            if slab.pooled and self.outstanding + self._free_bytes + nbytes <= self.max_pending:
                 self._free.setdefault(((slab.dtype, slab.hidden), slab.capacity), []).append(slab)
+                self._free_bytes += nbytes
             self._cond.notify_all()
 
     def abort(self) -> None:
@@ -169,9 +195,9 @@ class Batcher:
             self._emit(key)
             slab = None
         if slab is None:
-            rows = max(1, self.flush_bytes // (key[1] * key[0].itemsize))
+            rows = max(1, self.flush_bytes // slab_row_bytes(*key))
             # A capture bigger than a whole slab (a long prefill, logits) gets a one-off slab.
-            slab = self.pool.acquire(key, max(rows, n), pooled=n <= rows)
+            slab = self.pool.acquire(key, max(rows, n), pooled=n <= rows, make_room=self.flush_all)
             if slab is None:
                 return False
             self.open[key] = slab

@@ -116,6 +116,9 @@ class ArrowRecorder:
         self._started_at = ""
         self._saved_at = 0.0
         self._summary: RecordingSummary | None = None
+        self._interrupted: str | None = None
+        self._abandoned = False
+        self._manifest_lock = threading.Lock()
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> ArrowRecorder:
@@ -138,26 +141,49 @@ class ArrowRecorder:
         """Block until the session's publisher has registered *this* subscriber (a count would race)."""
         self._session.wait_for(self._sub, timeout=timeout)  # type: ignore[union-attr]
 
-    def stop(self, timeout: float = 60.0, *, raise_on_error: bool = True) -> RecordingSummary:
+    def stop(self, timeout: float = 60.0, *, raise_on_error: bool = True,
+             finish_timeout: float = 60.0) -> RecordingSummary:
         """Drain what is in flight (until `drain_idle` s of silence), finish files, write the manifest.
 
         Under the `complete` policy nothing published before the session went quiet
-        is lost. Raises RecorderError (with `.summary`) if writing failed.
+        is lost. Always returns within about `timeout + finish_timeout` seconds: past
+        `timeout` the receiver gives up on what is still arriving (`truncated`), and a
+        writer stuck in the file system past `finish_timeout` is abandoned with the
+        manifest marked `failed`. Raises RecorderError (with `.summary`) if writing failed.
         """
         if self._summary is None:
             if self._state == "new":
                 self._state = "complete"
             else:
-                self._deadline = time.monotonic() + timeout
-                self._stop_at = time.monotonic()
+                now = time.monotonic()
+                self._deadline = now + timeout
+                self._stop_at = now
                 self._ended.set()
-                for t in self._threads:
-                    t.join()
+                self._join(finish_timeout)
             self._t1 = time.monotonic()
             self._summary = self._snapshot(final=True)
         if self._error is not None and raise_on_error:
             raise RecorderError(self._error, self._summary)
         return self._summary
+
+    def _join(self, finish_timeout: float) -> None:
+        receiver, writer = self._threads
+        receiver.join(max(0.0, self._deadline - time.monotonic()) + 1.0)
+        if receiver.is_alive():  # e.g. waiting for slab memory behind a slow disk: give up what is left
+            self._truncated = True
+            self._pool.abort()
+            receiver.join(5.0)
+        writer.join(finish_timeout)
+        if writer.is_alive() or receiver.is_alive():
+            self._fail(TimeoutError(f"the {'writer' if writer.is_alive() else 'receiver'} did not finish within "
+                                    f"{finish_timeout:g} s of stop()"), "stopping")
+            self._abandoned = True  # a thread that wakes up later must not overwrite the final manifest
+            self._state = "failed"
+            self._save_manifest(force=True, final=True)
+
+    def mark_interrupted(self, reason: str) -> None:
+        """Record in the manifest that the recording was cut short on purpose (e.g. "SIGTERM")."""
+        self._interrupted = reason
 
     def __enter__(self) -> ArrowRecorder:
         return self.start()
@@ -289,6 +315,8 @@ class ArrowRecorder:
                 self._fail(exc, "finishing files")
         if self._failed.is_set():
             files.abandon()
+        if self._abandoned:  # stop() gave up on this thread and wrote the final manifest itself
+            return
         self._state = "failed" if self._failed.is_set() else "complete"
         self._t1 = time.monotonic()
         try:
@@ -332,11 +360,21 @@ class ArrowRecorder:
             clean=final and self._error is None and not self._truncated, truncated=self._truncated,
             error=self._error)
 
-    def _save_manifest(self, force: bool) -> None:
+    def _save_manifest(self, force: bool, final: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._saved_at < self.manifest_interval:
             return
-        self._saved_at = now
+        if not self._manifest_lock.acquire(timeout=2.0):  # the other writer is stuck in the file system
+            return
+        try:
+            if self._abandoned and not final:
+                return
+            self._saved_at = now
+            self._write_manifest()
+        finally:
+            self._manifest_lock.release()
+
+    def _write_manifest(self) -> None:
         dicts = self._dicts.snapshot()
         done, partial = self._files.entries(dicts)
         c = self._counts()
@@ -352,7 +390,8 @@ class ArrowRecorder:
                 "probebus.model", "probebus.config_hash")},
             "file_format": self.format, "endpoint": self.endpoint,
             "sites": self.sites if self.sites is None or isinstance(self.sites, str) else list(self.sites),
-            "state": self._state, "error": self._error, "started_at": self._started_at, "updated_at": _now(),
+            "state": self._state, "error": self._error, "interrupted": self._interrupted is not None,
+            "interrupted_by": self._interrupted, "started_at": self._started_at, "updated_at": _now(),
             "files": done, "in_progress": partial, "counts": c, "last_written": last,
             "lost": _lost_text(self._state, c, last),
         })

@@ -70,11 +70,25 @@ def register(subparsers: Any) -> None:
 
 # --- record --------------------------------------------------------------------------------------
 class _Stop:
-    """SIGTERM/SIGINT set a flag so the recorder can stop cleanly and finish its files."""
+    """SIGINT/SIGTERM while recording: stop the work, then always finish the files and the manifest.
 
-    def __init__(self) -> None:
-        self.requested = False
+    With `interrupt=True` the first signal raises KeyboardInterrupt in the main thread
+    (it is running `generate`); otherwise it only sets `requested`. Signals that arrive
+    while the files are being finished are noted and ignored: finishing is bounded.
+    """
+
+    def __init__(self, interrupt: bool = False) -> None:
+        self.interrupt = interrupt
+        self.signum: int | None = None
         self._old: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum if self.signum is not None else 0
 
     def __enter__(self) -> _Stop:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -84,18 +98,30 @@ class _Stop:
                 pass
         return self
 
+    def finishing(self) -> None:
+        """From here on signals no longer interrupt: the files are being finished."""
+        self.interrupt = False
+
     def _handle(self, signum: int, frame: object) -> None:
-        self.requested = True
+        first = self.signum is None
+        if first:
+            self.signum = signum
+        if first and self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
 
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
 
-def _finish(rec: Any, args: argparse.Namespace, console: Any) -> int:
+def _finish(rec: Any, args: argparse.Namespace, console: Any, stop: _Stop) -> int:
     from exporters._console import summary_table
 
-    s = rec.stop(raise_on_error=False)
+    stop.finishing()
+    if stop.requested:
+        rec.mark_interrupted(signal.Signals(stop.signum).name)
+    s = rec.stop(timeout=10.0, finish_timeout=30.0, raise_on_error=False)
     if args.json:
         print(json.dumps(s.as_dict(), indent=1))
     else:
@@ -103,27 +129,35 @@ def _finish(rec: Any, args: argparse.Namespace, console: Any) -> int:
     if s.error:
         console.print(f"[red]probebus record: {s.error}")
         return 1
+    if stop.requested:
+        console.print(f"[yellow]probebus record: stopped by {signal.Signals(stop.signum).name}; the files and the "
+                      "manifest are complete up to there")
+        return stop.exit_code
     return 0
 
 
 def cmd_record(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    import exporters
-
     console = Console(stderr=True)
     if args.endpoint is not None:
         if args.prompt is not None or args.prompts is not None:
             console.print("[red]--prompt/--prompts need --model; --endpoint records a session that is already running")
             return 2
-        return _record_endpoint(args, console)
+        with _Stop() as stop:
+            return _record_endpoint(args, console, stop)
     from probebus._prompts import read_prompts
 
     prompts = read_prompts(args.prompt, args.prompts)
-    return _record_model(args, prompts, console, exporters)
+    with _Stop(interrupt=True) as stop:
+        try:
+            return _record_model(args, prompts, console, stop)
+        except KeyboardInterrupt:  # before the recorder existed (loading the model): nothing to finish
+            console.print("[yellow]probebus record: interrupted before recording started")
+            return stop.exit_code or 130
 
 
-def _record_endpoint(args: argparse.Namespace, console: Any) -> int:
+def _record_endpoint(args: argparse.Namespace, console: Any, stop: _Stop) -> int:
     import exporters
     from exporters._console import RecordProgress
 
@@ -136,29 +170,27 @@ def _record_endpoint(args: argparse.Namespace, console: Any) -> int:
         return 2
     t0 = time.monotonic()
     last_rx, last_n = t0, 0
-    with _Stop() as stop, RecordProgress(console, None, unit="row") as bar:
-        try:
-            while not stop.requested and rec.running and not rec.source_ended:
-                time.sleep(0.1)
-                s = rec.stats
-                now = time.monotonic()
-                if s.received != last_n:
-                    last_rx, last_n = now, s.received
-                bar.update(s.rows, s, description=f"recording {args.endpoint}")
-                if args.duration is not None and now - t0 >= args.duration:
-                    break
-                if args.idle_timeout is not None and last_n and now - last_rx >= args.idle_timeout:
-                    break
-        except KeyboardInterrupt:
-            pass
+    with RecordProgress(console, None, unit="row") as bar:
+        while not stop.requested and rec.running and not rec.source_ended:
+            time.sleep(0.1)
+            s = rec.stats
+            now = time.monotonic()
+            if s.received != last_n:
+                last_rx, last_n = now, s.received
+            bar.update(s.rows, s, description=f"recording {args.endpoint}")
+            if args.duration is not None and now - t0 >= args.duration:
+                break
+            if args.idle_timeout is not None and last_n and now - last_rx >= args.idle_timeout:
+                break
         bar.update(rec.stats.rows, rec.stats, force=True)
-    return _finish(rec, args, console)
+    return _finish(rec, args, console, stop)
 
 
-def _record_model(args: argparse.Namespace, prompts: list[str], console: Any, exporters: Any) -> int:
+def _record_model(args: argparse.Namespace, prompts: list[str], console: Any, stop: _Stop) -> int:
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
+    import exporters
     import probe
     from exporters._console import RecordProgress
     from probebus._load import load_model
@@ -181,16 +213,16 @@ def _record_model(args: argparse.Namespace, prompts: list[str], console: Any, ex
             console.print(f"[red]probebus record: {exc}")
             return 2
         done = 0
-        with RecordProgress(console, total) as bar:
+        try:
+            with RecordProgress(console, total) as bar:
 
-            class Count(StoppingCriteria):  # called once per decode step: advance the bar, never stop
-                def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> torch.Tensor:
-                    nonlocal done
-                    done += input_ids.shape[0]
-                    bar.update(done, rec.stats)
-                    return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+                class Count(StoppingCriteria):  # called once per decode step: advance the bar, never stop
+                    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> torch.Tensor:
+                        nonlocal done
+                        done += input_ids.shape[0]
+                        bar.update(done, rec.stats)
+                        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-            try:
                 for i in range(0, len(prompts), args.batch_size):
                     chunk = prompts[i : i + args.batch_size]
                     enc = tok(chunk, return_tensors="pt", padding=True)
@@ -202,11 +234,12 @@ def _record_model(args: argparse.Namespace, prompts: list[str], console: Any, ex
                     bar.update(done, rec.stats, force=True)
                     if not rec.running:  # the recorder failed: the error is reported below
                         break
-            except KeyboardInterrupt:
-                console.print("[yellow]interrupted: finishing the files")
-            session.close()  # everything staged reaches the recorder before it drains and stops
-            bar.update(done, rec.stats, force=True)
-    return _finish(rec, args, console)
+        except KeyboardInterrupt:
+            stop.finishing()
+            console.print("[yellow]interrupted: finishing the files")
+        stop.finishing()
+        session.close()  # everything staged reaches the recorder before it drains and stops
+    return _finish(rec, args, console, stop)
 
 
 # --- inspect / top ----------------------------------------------------------------------------------
