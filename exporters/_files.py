@@ -186,8 +186,13 @@ class FileSet:
                     self._write_group(writer, group)
                 writer.close()
                 nbytes = sink.tell()
-            finally:
+            except BaseException:
                 sink.close()
+                tmp.unlink(missing_ok=True)  # the stream stays: it is the crash journal
+                raise
+            finally:
+                if not sink.closed:
+                    sink.close()
         os.replace(tmp, final)
         return nbytes
 

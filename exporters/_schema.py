@@ -20,6 +20,7 @@ written; readable up to its last flushed batch) and `manifest.json`.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -170,13 +171,44 @@ def activation_dtype(field: pa.Field) -> torch.dtype:
     raise ValueError(f"activation column of type {field.type} is not a probebus activation")
 
 
+MANIFEST_SLACK = 16 << 10  # manifests are padded with spaces to a multiple of this (JSON ignores them)
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
-    """Readers see the old or the new manifest, never half of one."""
+    """Readers see the old or the new manifest, never half of one -- unless the disk is full.
+
+    The file is padded to a multiple of MANIFEST_SLACK bytes, so that when the disk is
+    full (no room for a new file) the final manifest can still be written over the
+    blocks the last one already holds. That fallback is not atomic, but it is what
+    leaves a `failed` manifest instead of a stale `recording` one.
+    """
+    data = (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
+    padded = data + b" " * (-len(data) % MANIFEST_SLACK)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(padded)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        tmp.unlink(missing_ok=True)
+        _overwrite_in_place(path, data, obj, exc)
+
+
+def _overwrite_in_place(path: Path, data: bytes, obj: dict, exc: OSError) -> None:
+    try:
+        room = path.stat().st_size
+    except OSError:
+        raise exc from None
+    if len(data) > room:  # keep what fits: state, error and counts come first in a short form
+        short = {k: obj[k] for k in ("format", "format_version", "state", "error", "counts", "lost") if k in obj}
+        short["truncated_manifest"] = "the disk was full: file lists left out"
+        data = (json.dumps(short) + "\n").encode()
+        if len(data) > room:
+            raise exc from None
+    with open(path, "r+b") as f:  # overwrite allocated blocks: needs no free space
+        f.write(data + b" " * (room - len(data)))
 
 
 def read_manifest(directory: Path) -> dict | None:

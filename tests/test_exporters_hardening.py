@@ -173,3 +173,41 @@ def test_stop_returns_even_when_the_writer_hangs(tmp_path: Path, monkeypatch: py
     assert took < 10 and not summary.clean and "did not finish" in summary.error
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["state"] == "failed" and "did not finish" in manifest["error"]
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A real 192 KiB file system (tmpfs); needs the right to mount (root here), else the test is skipped."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_real_disk_full_leaves_a_failed_manifest_with_readable_rows(small_fs: Path) -> None:
+    """A full disk used to leave state `recording` and a 0-byte manifest.json.tmp."""
+    model = tiny_llama(layers=2)
+    ids, mask = left_padded([[5, 17, 33, 9], [40, 41, 42]])
+    with probe.attach(model, "layers.*.resid_pre,layers.*.resid_post") as session:
+        rec = exporters.ArrowRecorder(session, small_fs, flush_bytes=4096, flush_seconds=0.02).start()
+        calls = 0
+        with pytest.warns(RuntimeWarning, match="No space left on device"):
+            while rec.running and calls < 100:
+                with torch.no_grad():
+                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                                   pad_token_id=PAD)
+                calls += 1
+        assert not rec.running and calls < 100
+        summary = rec.stop(raise_on_error=False)
+    assert "No space left on device" in summary.error
+    assert not list(small_fs.glob("*.tmp"))
+    manifest = json.loads((small_fs / "manifest.json").read_text())
+    assert manifest["state"] == "failed" and "No space left" in manifest["error"]
+    readable = exporters.read_recording(small_fs).num_rows
+    assert 0 < readable == manifest["counts"]["rows"] == summary.rows
+    assert exporters.recording_info(small_fs)["state"] == "failed"
