@@ -6,10 +6,15 @@
         sub = probe.Subscriber(session.endpoint)    # here or in another process
         session.wait_for_subscribers(1)
         model.generate(**inputs, max_new_tokens=8)
-    for cap in sub.iter(idle_timeout=0.5):
+    for cap in sub:                                 # ends with the session's end of stream
         cap.site, cap.seq_ids, cap.positions, cap.tensor
+    probe.live_sessions()                           # this user's running sessions
 
-See DESIGN.md ("probe internals") for the hook / ring / publisher split.
+Internals, in the order a capture meets them: `_arch` / `_sites` (where each site is
+hooked), `_session` (attach and the hooks), `_identity` (whose token each row is),
+`_copy` (rows into a message, staging ring for large ones), `_publisher` (the socket:
+policies, subscribers, end of stream), `_wire` (the frames), `_subscriber`. The
+README's design notes explain why each is the way it is.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ from __future__ import annotations
 from torch import nn
 
 from ._arch import ArchitectureError, SiteError, resolve_arch
+from ._discovery import SessionInfo, live_sessions, runtime_dir
 from ._session import ProbeSession, ProbeStats, attach
 from ._sites import SiteMatcher, expand_sites
 from ._subscriber import Capture, Subscriber, SubscriberStats, parse_capture
-from ._wire import PHASES, VERSION, WireError
+from ._wire import DTYPE_CODE, DTYPE_NAME, DTYPES, PHASES, VERSION, WireError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def list_sites(model: nn.Module) -> list[str]:
@@ -36,7 +42,7 @@ def match_sites(model: nn.Module, sites: str | list[str]) -> list[str]:
 
 
 __all__ = [
-    "ArchitectureError", "Capture", "PHASES", "ProbeSession", "ProbeStats", "SiteError", "SiteMatcher",
-    "Subscriber", "SubscriberStats", "VERSION", "WireError", "attach", "list_sites", "match_sites",
-    "parse_capture",
+    "ArchitectureError", "Capture", "DTYPES", "DTYPE_CODE", "DTYPE_NAME", "PHASES", "ProbeSession", "ProbeStats",
+    "SessionInfo", "SiteError", "SiteMatcher", "Subscriber", "SubscriberStats", "VERSION", "WireError", "attach",
+    "list_sites", "live_sessions", "match_sites", "parse_capture", "resolve_arch", "runtime_dir",
 ]

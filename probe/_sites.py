@@ -137,10 +137,13 @@ class SiteMatcher:
         return sorted(topics)
 
     def matches(self, site: str) -> bool:
+        """Whether a concrete site name is selected (False for anything that is not a site name)."""
         if self.everything or site in self.exact:
             return True
         if not self._rules or not site.startswith("layers."):
             return False
-        _, idx, name = site.split(".", 2)
-        layer = int(idx)
+        parts = site.split(".")
+        if len(parts) != 3 or not parts[1].isdigit():
+            return False
+        layer, name = int(parts[1]), parts[2]
         return any((sel is None or layer in sel) and (want == "*" or want == name) for sel, want in self._rules)

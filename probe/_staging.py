@@ -1,27 +1,27 @@
-"""A bounded staging ring: hooks copy rows in, the publisher frees them in order.
+"""A bounded staging ring for payloads that ZeroMQ sends zero-copy.
 
     ring = StagingRing(64 << 20)
-    off = ring.alloc(nbytes, block=True)    # None when full and block=False
-    np.copyto(ring.bytes_at(off, nbytes).reshape(n, -1), rows)
-    ...
-    ring.release_oldest()                   # publisher, once ZeroMQ is done with it
+    off = ring.alloc(nbytes)                 # None when full
+    np.copyto(ring.bytes_at(off, nbytes), rows)
+    ring.release(off, tracker)               # ZeroMQ's MessageTracker of its send (None: free at once)
+    ring.reclaim()                           # frees, in order, every slot ZeroMQ is done with
 
-One preallocated byte buffer used as a FIFO: allocations are contiguous, frees happen
-in allocation order (the publisher sends in order), so memory never fragments and
-the whole bus stays within `capacity` bytes. On a CUDA model the buffer is pinned so
-device-to-host copies run asynchronously on a side stream.
+One preallocated byte buffer used as a FIFO: allocations are contiguous and are freed
+in allocation order, so memory never fragments and staged payloads stay within
+`capacity` bytes. Only the model's thread allocates and reclaims (no lock, no other
+thread). On a CUDA model the buffer is pinned so device-to-host copies run
+asynchronously on a side stream.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import deque
 
 import numpy as np
 import torch
 
 ALIGN = 64
+_STAGED = object()  # a slot whose capture has not been handed to ZeroMQ yet
 
 
 class StagingRing:
@@ -31,11 +31,22 @@ class StagingRing:
         self.capacity = capacity - capacity % ALIGN
         self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pinned)
         self.array = self.buffer.numpy()
-        self._live: deque[tuple[int, int]] = deque()
+        self._live: deque[tuple[int, int]] = deque()  # (offset, size) in allocation order
+        self._holds: dict[int, object] = {}  # offset -> _STAGED (not sent yet), a MessageTracker, or None
         self._head = 0
-        self._cond = threading.Condition()
-        self.stall_seconds = 0.0
-        self._closed = False
+
+    @property
+    def used(self) -> int:
+        return sum(size for _, size in self._live)
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a fresh region of `nbytes`, or None when it does not fit now."""
+        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        off = self._try_alloc(size)
+        if off is None and self._live:
+            self.reclaim()
+            off = self._try_alloc(size)
+        return off
 
     def _try_alloc(self, size: int) -> int | None:
         cap = self.capacity
@@ -44,8 +55,7 @@ class StagingRing:
             off = 0 if size <= cap else None
         else:
             tail = self._live[0][0]
-            wrapped = self._live[-1][0] < tail
-            if wrapped:  # free space is [head, tail)
+            if self._live[-1][0] < tail:  # wrapped: free space is [head, tail)
                 off = self._head if tail - self._head >= size else None
             elif cap - self._head >= size:  # free space is [head, cap) and [0, tail)
                 off = self._head
@@ -54,41 +64,22 @@ class StagingRing:
         if off is not None:
             self._head = off + size
             self._live.append((off, size))
+            self._holds[off] = _STAGED
         return off
 
-    def alloc(self, nbytes: int, *, block: bool) -> int | None:
-        """Offset of a fresh region of `nbytes`; waits for space when `block`."""
-        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
-        with self._cond:
-            off = self._try_alloc(size)
-            if off is not None or not block or size > self.capacity:
-                return off
-            t0 = time.perf_counter()
-            while off is None and not self._closed:
-                self._cond.wait(0.1)
-                off = self._try_alloc(size)
-            self.stall_seconds += time.perf_counter() - t0
-            return off
+    def release(self, off: int, tracker: object = None) -> None:
+        """The slot at `off` may be reused once `tracker.done` (at once when None)."""
+        self._holds[off] = tracker
 
-    def wait_empty(self) -> float:
-        """Block until nothing is staged; returns the seconds waited."""
-        t0 = time.perf_counter()
-        with self._cond:
-            while self._live and not self._closed:
-                self._cond.wait(0.1)
-        waited = time.perf_counter() - t0
-        self.stall_seconds += waited
-        return waited
-
-    def release_oldest(self) -> None:
-        with self._cond:
-            self._live.popleft()
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+    def reclaim(self) -> int:
+        """Free every leading slot whose send has completed; returns how many are still held."""
+        holds, live = self._holds, self._live
+        while live:
+            h = holds[live[0][0]]
+            if h is _STAGED or (h is not None and not h.done):  # type: ignore[attr-defined]
+                break
+            del holds[live.popleft()[0]]
+        return len(live)
 
     def bytes_at(self, off: int, nbytes: int) -> np.ndarray:
         return self.array[off : off + nbytes]

@@ -1,17 +1,23 @@
 """Subscriber: receive captures from a probe session, in this process or another.
 
     sub = probe.Subscriber(session.endpoint, sites="layers.*.resid_post")
-    for cap in sub:                       # blocks; or sub.recv(timeout=1.0)
+    for cap in sub:                       # blocks until the session ends; or sub.recv(timeout=1.0)
         print(cap.site, cap.step, cap.positions, cap.tensor.shape)
+    sub.info                              # the session: model, dtype, sites, run, pid ...
+    sub.stats.missed                      # captures the session published that never reached us
 
 Frames are validated before anything is built; a malformed message is counted in
-`sub.stats` and skipped, never raised. `Capture.tensor` is a view on the received
-ZeroMQ frame (no copy); clone it if you keep it past the frame's lifetime needs.
+`sub.stats` (by fixed category) and skipped, never raised. `Capture.tensor` is a view
+on the received ZeroMQ frame (no copy): it stays valid as long as the Capture or the
+tensor is referenced; `.clone()` it to keep a private copy.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
+import warnings
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -19,9 +25,9 @@ import numpy as np
 import torch
 import zmq
 
-from ._publisher import END_OF_STREAM, PRESENCE
+from ._discovery import SessionInfo
 from ._sites import SiteMatcher
-from ._wire import WireError, decode_envelope
+from ._wire import CONTROL, END_TOPIC, ERROR_KINDS, INFO_TOPIC, PRESENCE, WireError, decode_control, decode_envelope
 
 
 class Capture:
@@ -29,16 +35,18 @@ class Capture:
 
     `tensor` ([n, hidden], captured dtype) and the int64 `seq_ids`, `positions`,
     `token_ids` are views on the received frames, built on first access; `payload`
-    and `token_array` give the same memory as a memoryview / numpy array.
+    and `token_array` give the same memory as a memoryview / numpy array. `seq` is
+    this site's count of captures published before this one; `sent_at` the wall-clock
+    time (s since the epoch) at which the hook published it.
     """
 
-    __slots__ = ("site", "layer", "phase", "step", "run", "dtype", "hidden", "n_tokens",
+    __slots__ = ("site", "layer", "phase", "step", "run", "dtype", "hidden", "n_tokens", "seq", "sent_ns",
                  "_tokens", "_payload", "_tensor", "_ids")
 
     def __init__(self, site: str, layer: int, phase: str, step: int, run: str, dtype: torch.dtype, hidden: int,
-                 n_tokens: int, tokens: memoryview, payload: memoryview) -> None:
+                 n_tokens: int, tokens: memoryview, payload: memoryview, seq: int = 0, sent_ns: int = 0) -> None:
         self.site, self.layer, self.phase, self.step, self.run = site, layer, phase, step, run
-        self.dtype, self.hidden, self.n_tokens = dtype, hidden, n_tokens
+        self.dtype, self.hidden, self.n_tokens, self.seq, self.sent_ns = dtype, hidden, n_tokens, seq, sent_ns
         self._tokens, self._payload = tokens, payload
         self._tensor: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None
@@ -76,6 +84,10 @@ class Capture:
         """The activation bytes, C-contiguous [n, hidden] in `dtype` (a view, no copy)."""
         return self._payload
 
+    @property
+    def sent_at(self) -> float:
+        return self.sent_ns / 1e9
+
     def __repr__(self) -> str:
         return (f"Capture(site={self.site!r}, phase={self.phase!r}, step={self.step}, n_tokens={self.n_tokens}, "
                 f"hidden={self.hidden}, dtype={self.dtype})")
@@ -83,19 +95,27 @@ class Capture:
 
 @dataclass
 class SubscriberStats:
+    """received: captures delivered; missed: published by the session but lost before reaching
+    us (sequence gaps, and the end-of-stream counts); malformed: invalid messages, by category
+    in `errors` (fixed keys, see probe._wire.ERROR_KINDS); filtered: valid but not asked for."""
+
     received: int = 0
     bytes: int = 0
     malformed: int = 0
     filtered: int = 0
+    missed: int = 0
     errors: dict[str, int] = field(default_factory=dict)
 
 
 def parse_capture(frames: list) -> Capture:
     """Validate and decode one multipart message (raises WireError)."""
     if len(frames) not in (1, 2):
-        raise WireError(f"expected 1 or 2 frames (envelope[, payload]), got {len(frames)}")
-    h, tokens, payload = decode_envelope(frames[0].buffer, frames[1].buffer if len(frames) == 2 else None)
-    return Capture(h.site, h.layer, h.phase, h.step, h.run, h.dtype, h.hidden, h.n_tokens, tokens, payload)
+        raise WireError("frames", f"expected 1 or 2 frames (envelope[, payload]), got {len(frames)}")
+    buf = frames[0] if isinstance(frames[0], (bytes, memoryview)) else frames[0].buffer
+    pay = None if len(frames) == 1 else (frames[1] if isinstance(frames[1], (bytes, memoryview)) else frames[1].buffer)
+    h, tokens, payload = decode_envelope(memoryview(buf), None if pay is None else memoryview(pay))
+    return Capture(h.site, h.layer, h.phase, h.step, h.run, h.dtype, h.hidden, h.n_tokens, tokens, payload, h.seq,
+                   h.sent_ns)
 
 
 class Subscriber:
@@ -106,6 +126,13 @@ class Subscriber:
         self.endpoint = endpoint
         self.matcher = SiteMatcher(sites)
         self.stats = SubscriberStats()
+        self.info: SessionInfo | None = None  # the session's description, once received
+        self.end_counts: dict[str, int] | None = None  # per-site published counts, from the end of stream
+        self.ended = False  # the session closed and everything it published has been received or counted
+        self._next_seq: dict[str, int] = {}  # per site: the seq we expect next
+        self._received_by_site: dict[str, int] = {}
+        self._warned_version = False
+        self._held: deque[Capture] = deque()  # captures that arrived while wait_info looked for the info
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -116,38 +143,117 @@ class Subscriber:
             self._sock.curve_serverkey = curve_server_key
         for topic in self.matcher.topics():
             self._sock.setsockopt(zmq.SUBSCRIBE, topic)
+        if not self.matcher.everything:  # b"" already covers the control topics
+            self._sock.setsockopt(zmq.SUBSCRIBE, INFO_TOPIC)
+            self._sock.setsockopt(zmq.SUBSCRIBE, END_TOPIC)
         # Subscribed last: once the publisher sees it, all topic filters above are in place.
         self.presence = PRESENCE + uuid.uuid4().hex.encode()  # this subscriber's private topic
         self._sock.setsockopt(zmq.SUBSCRIBE, self.presence)
         self._sock.connect(endpoint)
         self._closed = False
-        self.ended = False  # the session closed and everything it published has been received
 
     def recv(self, timeout: float | None = None) -> Capture | None:
-        """Next capture; None after `timeout` seconds (None: wait forever) or at end of stream."""
-        deadline_ms = None if timeout is None else int(timeout * 1000)
-        while not self.ended:
-            if not self._sock.poll(deadline_ms if deadline_ms is not None else -1):
-                return None
-            frames = self._sock.recv_multipart(copy=False)
-            if len(frames) == 2 and frames[1].bytes == END_OF_STREAM and frames[0].bytes == self.presence:
-                self.ended = True  # acknowledge, so the publisher may close its socket
-                self._sock.setsockopt(zmq.UNSUBSCRIBE, self.presence)
-                return None
+        """Next capture; None once `timeout` seconds have passed (None: wait forever) or at end of stream.
+
+        The timeout is a deadline: filtered, malformed and control messages do not restart it.
+        """
+        if self._held:
+            return self._held.popleft()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sock = self._sock
+        while not self.ended and not self._closed:
             try:
-                cap = parse_capture(frames)
-            except WireError as exc:
-                self.stats.malformed += 1
-                key = str(exc).split(":")[0][:60]
-                self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
+                frames = [sock.recv(zmq.NOBLOCK, copy=False)]
+            except zmq.Again:
+                if deadline is None:
+                    sock.poll(None)
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                sock.poll(max(1, int(left * 1000 + 0.999)))
                 continue
-            if not self.matcher.everything and not self.matcher.matches(cap.site):
-                self.stats.filtered += 1
-                continue
-            self.stats.received += 1
-            self.stats.bytes += len(cap.payload)
-            return cap
+            while frames[-1].more:  # drain the whole message even when it is malformed
+                frames.append(sock.recv(copy=False))
+            cap = self._handle(frames)
+            if cap is not None:
+                return cap
         return None
+
+    def _handle(self, frames: list) -> Capture | None:
+        buf = frames[0].buffer
+        if buf[:1] == b"\x00":
+            if len(frames) == 1 and bytes(buf[: len(CONTROL)]) == CONTROL:
+                self._control(bytes(buf))
+                return None
+            return self._malformed("control", "a control message that is not one")
+        try:
+            cap = parse_capture(frames)
+        except WireError as exc:
+            if exc.kind == "version" and not self._warned_version:
+                self._warned_version = True
+                warnings.warn(f"probebus: {exc} (from {self.endpoint})", stacklevel=4)
+            return self._malformed(exc.kind, str(exc))
+        if not self.matcher.everything and not self.matcher.matches(cap.site):
+            self.stats.filtered += 1
+            return None
+        site = cap.site
+        expect = self._next_seq.get(site, 0)
+        if cap.seq > expect:
+            self.stats.missed += cap.seq - expect
+        self._next_seq[site] = cap.seq + 1
+        self._received_by_site[site] = self._received_by_site.get(site, 0) + 1
+        self.stats.received += 1
+        self.stats.bytes += cap.n_tokens * cap.hidden * cap.dtype.itemsize
+        return cap
+
+    def _malformed(self, kind: str, _message: str) -> None:
+        stats = self.stats
+        stats.malformed += 1
+        key = kind if kind in ERROR_KINDS else "other"
+        stats.errors[key] = stats.errors.get(key, 0) + 1
+        return None
+
+    def _control(self, frame: bytes) -> None:
+        try:
+            if frame.startswith(INFO_TOPIC):
+                self.info = SessionInfo.from_dict(decode_control(frame, INFO_TOPIC))
+            elif frame.startswith(END_TOPIC):
+                self._end(decode_control(frame, END_TOPIC))
+            # other control topics (none today) are for newer versions: ignored, not malformed
+        except (WireError, TypeError, ValueError):
+            self._malformed("control", "bad control message")
+
+    def _end(self, body: dict) -> None:
+        counts = body.get("counts")
+        if not isinstance(counts, dict):
+            raise WireError("control", "end of stream without counts")
+        self.end_counts = {str(k): int(v) for k, v in counts.items()}
+        for site, n in self.end_counts.items():  # what never arrived at the tail of each site's stream
+            if self.matcher.everything or self.matcher.matches(site):
+                self.stats.missed += max(0, n - self._next_seq.get(site, 0))
+        self.ended = True  # acknowledge, so the publisher may close its socket
+        self._sock.setsockopt(zmq.UNSUBSCRIBE, self.presence)
+
+    def wait_info(self, timeout: float = 5.0) -> SessionInfo | None:
+        """The session's description, waiting up to `timeout` s for it (None: nobody serves the endpoint).
+
+        Captures that arrive meanwhile are not lost: they stay queued for `recv`."""
+        deadline = time.monotonic() + timeout
+        while self.info is None and not self._closed and time.monotonic() < deadline:
+            if not self._sock.poll(50):
+                continue
+            try:  # only control messages are taken here; captures wait for recv
+                msg = self._sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                continue
+            frames = [msg]
+            while frames[-1].more:
+                frames.append(self._sock.recv(copy=False))
+            cap = self._handle(frames)
+            if cap is not None:
+                self._held.append(cap)
+        return self.info
 
     def __iter__(self) -> Iterator[Capture]:
         """Every capture until the session closes (end of stream)."""

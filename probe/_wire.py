@@ -1,15 +1,25 @@
-"""Wire format of one capture: one or two ZeroMQ frames, nothing pickled.
+"""Wire format: captures and control messages as ZeroMQ frames, nothing pickled.
+
+A capture is one or two frames:
 
     frame 0  site | 0x00 | HEADER | run | tokens [| payload, when small]
-    frame 1  payload (only when it is 64 KiB or more; sent zero-copy)
+    frame 1  payload (only when it is 64 KiB or more; sent zero-copy from the staging ring)
 
 site     the site name in UTF-8, first so that ZeroMQ's prefix filter selects by site.
 HEADER   little-endian struct: magic b"PBUS", version u16, phase u8, dtype u8,
          step u64, layer i32 (-1 for global sites), hidden u32, n_tokens u32,
-         len(run) u16, len(site) u16.
+         len(run) u16, len(site) u16, seq u64 (this site's count of published
+         captures before this one: a gap means this subscriber missed some),
+         sent_ns u64 (wall clock, ns since the epoch, when the hook published it).
 run      the session's run id, UTF-8.
 tokens   int64 little-endian [3, n_tokens]: seq_id, position, token_id rows.
 payload  the activations, C-contiguous [n_tokens, hidden] in `dtype`.
+
+Control messages are one frame, `topic + JSON`, on topics that start with 0x00 (no
+site does): INFO_TOPIC carries the session's description (sent again whenever a
+subscriber joins, so late joiners get it), END_TOPIC the end of stream with per-site
+counts. Subscribers never subscribe to another subscriber's PRESENCE topic, so these
+are the only control messages anyone receives.
 
 Why not one frame per part: each ZeroMQ frame costs a send and a receive call
 (~2-3 us each from Python), which dominated small decode captures; below pyzmq's
@@ -19,19 +29,23 @@ copy threshold the payload is copied anyway, so appending it to frame 0 is free.
 
 from __future__ import annotations
 
+import json
+import re
 import struct
 from typing import NamedTuple
 
 import torch
 
 MAGIC = b"PBUS"
-VERSION = 1
-HEADER = struct.Struct("<4sHBBqiIIHH")
+VERSION = 2
+HEADER = struct.Struct("<4sHBBqiIIHHQQ")
+_MAGIC_VERSION = struct.Struct("<4sH")
 
 PHASES = ("prefill", "decode", "verify")
 PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
 
-# Codes are part of the wire format: append, never renumber.
+# Codes are part of the wire format: append, never renumber. The one dtype table of
+# the project: exporters and decoder read it from here.
 DTYPES: dict[int, torch.dtype] = {
     1: torch.float32,
     2: torch.float16,
@@ -44,9 +58,24 @@ DTYPES: dict[int, torch.dtype] = {
 DTYPE_CODE = {d: c for c, d in DTYPES.items()}
 DTYPE_NAME = {c: str(d).removeprefix("torch.") for c, d in DTYPES.items()}
 
+CONTROL = b"\x00probebus/"  # every control topic starts here; no site name can
+PRESENCE = CONTROL + b"subscriber/"  # + a subscriber's uuid: subscribed to, never published on
+INFO_TOPIC = CONTROL + b"info "
+END_TOPIC = CONTROL + b"end "
+
+# A concrete site name as it may appear on the wire (the grammar of probe._sites, concrete form).
+_SITE_RE = re.compile(r"(?:embed|final_norm|logits|layers\.(\d{1,6})\.[a-z_]{1,32})")
+
+# Fixed malformed-message categories (SubscriberStats.errors keys never embed message data).
+ERROR_KINDS = ("frames", "truncated", "magic", "version", "phase", "dtype", "site", "length", "utf8", "control")
+
 
 class WireError(ValueError):
-    """A frame that is not a valid probebus capture."""
+    """A frame that is not a valid probebus message; `kind` is one of ERROR_KINDS."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class Header(NamedTuple):  # a NamedTuple: built per message, 5x cheaper than a frozen dataclass
@@ -58,56 +87,107 @@ class Header(NamedTuple):  # a NamedTuple: built per message, 5x cheaper than a 
     layer: int
     hidden: int
     n_tokens: int
+    seq: int
+    sent_ns: int
 
 
 def encode_envelope(run: bytes, site: bytes, phase: int, dtype: int, step: int, layer: int, hidden: int,
-                    tokens: bytes | memoryview, payload: bytes | memoryview = b"") -> bytes:
+                    tokens: bytes | memoryview, payload: bytes | memoryview = b"", *, seq: int = 0,
+                    sent_ns: int = 0) -> bytes:
     """Frame 0. `tokens` is int64 [3, n]; pass `payload` only when it travels in this frame."""
-    tokens = memoryview(tokens).cast("B")
-    n = len(tokens) // 24
-    head = HEADER.pack(MAGIC, VERSION, phase, dtype, step, layer, hidden, n, len(run), len(site))
+    n = memoryview(tokens).nbytes // 24
+    head = HEADER.pack(MAGIC, VERSION, phase, dtype, step, layer, hidden, n, len(run), len(site), seq, sent_ns)
     return b"".join((site, b"\x00", head, run, tokens, payload))
 
 
+_site_layers: dict[bytes, int] = {}  # validated site names -> layer (bounded: see site_layer_of)
+
+
+def site_layer_of(site: bytes) -> int:
+    """Layer of a valid concrete site name (-1 for global sites); WireError otherwise."""
+    layer = _site_layers.get(site)
+    if layer is None:
+        try:
+            name = site.decode("ascii")
+        except UnicodeDecodeError:
+            raise WireError("site", "site name is not ASCII") from None
+        m = _SITE_RE.fullmatch(name)
+        if m is None:
+            raise WireError("site", f"{name[:40]!r} is not a site name (embed, layers.N.NAME, final_norm, logits)")
+        layer = int(m[1]) if m[1] is not None else -1
+        if len(_site_layers) < 4096:  # hostile peers must not grow this without bound
+            _site_layers[site] = layer
+    return layer
+
+
 def decode_envelope(buf: memoryview, payload_frame: memoryview | None) -> tuple[Header, memoryview, memoryview]:
-    """(header, tokens, payload) of one message; raises WireError on anything inconsistent."""
+    """(header, tokens, payload) of one capture; raises WireError on anything inconsistent."""
     size = len(buf)
-    cut = bytes(buf[:256]).find(b"\x00")
-    if cut < 0 or size < cut + 1 + HEADER.size:
-        raise WireError(f"envelope truncated or without a site terminator ({size} bytes)")
+    cut = bytes(buf[:64]).find(b"\x00")
+    if cut <= 0 or size < cut + 1 + HEADER.size:
+        if size >= cut + 1 + _MAGIC_VERSION.size and cut > 0:
+            _check_magic_version(buf, cut + 1)
+        raise WireError("truncated", f"envelope truncated or without a site terminator ({size} bytes)")
     start = cut + 1
-    magic, version, phase, dtype, step, layer, hidden, n, lrun, lsite = HEADER.unpack_from(buf, start)
-    if magic != MAGIC:
-        raise WireError(f"bad magic {bytes(magic)!r}: not a probebus capture")
-    if version != VERSION:
-        raise WireError(f"wire version {version} not supported (this probebus speaks {VERSION}); upgrade both ends")
+    _check_magic_version(buf, start)
+    _, _, phase, dtype, step, layer, hidden, n, lrun, lsite, seq, sent_ns = HEADER.unpack_from(buf, start)
     if phase >= len(PHASES):
-        raise WireError(f"unknown phase code {phase}")
-    if dtype not in DTYPES:
-        raise WireError(f"unknown dtype code {dtype}")
+        raise WireError("phase", f"unknown phase code {phase}")
+    itemsize = _ITEMSIZE.get(dtype)
+    if itemsize is None:
+        raise WireError("dtype", f"unknown dtype code {dtype}")
     if lsite != cut:
-        raise WireError(f"site length {lsite} does not match the topic ({cut} bytes)")
+        raise WireError("site", f"site length {lsite} does not match the topic ({cut} bytes)")
+    site_b = bytes(buf[:cut])
+    if site_layer_of(site_b) != layer:
+        raise WireError("site", f"layer {layer} does not match the site name")
     if n == 0 or hidden == 0:
-        raise WireError("empty capture")
+        raise WireError("length", "empty capture")
     tok_at = start + HEADER.size + lrun
     pay_at = tok_at + 24 * n
-    nbytes = n * hidden * DTYPES[dtype].itemsize
-    inline = size - pay_at
+    if pay_at > size:
+        raise WireError("length", f"envelope of {size} bytes cannot hold {n} tokens and a {lrun}-byte run id")
+    nbytes = n * hidden * itemsize
     if payload_frame is None:
-        if inline != nbytes:
-            raise WireError(f"payload has {max(inline, 0)} bytes, expected {nbytes} ({n} x {hidden} {DTYPES[dtype]})")
+        if size - pay_at != nbytes:
+            raise WireError("length", f"payload has {size - pay_at} bytes, expected {nbytes} ({n} x {hidden})")
         payload = buf[pay_at:]
     else:
-        if inline != 0:
-            raise WireError(f"envelope has {inline} bytes after its {n} tokens, expected 0")
+        if size != pay_at:
+            raise WireError("length", f"envelope has {size - pay_at} bytes after its {n} tokens, expected 0")
         if len(payload_frame) != nbytes:
-            raise WireError(f"payload has {len(payload_frame)} bytes, expected {nbytes} ({n} x {hidden} "
-                            f"{DTYPES[dtype]})")
+            raise WireError("length", f"payload has {len(payload_frame)} bytes, expected {nbytes} ({n} x {hidden})")
         payload = payload_frame
     try:
-        site = str(buf[:cut], "utf-8")
         run = str(buf[start + HEADER.size : tok_at], "utf-8")
-    except UnicodeDecodeError as exc:
-        raise WireError(f"header strings are not UTF-8: {exc}") from None
-    header = Header(run, site, PHASES[phase], DTYPES[dtype], step, layer, hidden, n)
+    except UnicodeDecodeError:
+        raise WireError("utf8", "run id is not UTF-8") from None
+    header = Header(run, site_b.decode("ascii"), PHASES[phase], DTYPES[dtype], step, layer, hidden, n, seq, sent_ns)
     return header, buf[tok_at:pay_at], payload
+
+
+_ITEMSIZE = {c: d.itemsize for c, d in DTYPES.items()}
+
+
+def _check_magic_version(buf: memoryview, at: int) -> None:
+    magic, version = _MAGIC_VERSION.unpack_from(buf, at)
+    if magic != MAGIC:
+        raise WireError("magic", f"bad magic {bytes(magic)!r}: not a probebus capture")
+    if version != VERSION:
+        raise WireError("version", f"the publisher speaks probebus wire version {version}, this probebus speaks "
+                        f"{VERSION}; install the same probebus version on both ends")
+
+
+def encode_control(topic: bytes, body: dict) -> bytes:
+    return topic + json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_control(frame: bytes | memoryview, topic: bytes) -> dict:
+    """The JSON body of a control message (WireError when it is not an object)."""
+    try:
+        body = json.loads(bytes(frame[len(topic):]))
+    except (ValueError, UnicodeDecodeError):
+        raise WireError("control", "control message is not JSON") from None
+    if not isinstance(body, dict):
+        raise WireError("control", "control message is not a JSON object")
+    return body

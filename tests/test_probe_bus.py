@@ -25,7 +25,8 @@ CHILD = textwrap.dedent("""
         digest.update(cap.site.encode() + cap.positions.numpy().tobytes() + cap.tensor.numpy().tobytes())
         n += 1
         steps.add(cap.step)
-    json.dump({"n": n, "sha": digest.hexdigest(), "malformed": sub.stats.malformed}, open(out, "w"))
+    json.dump({"n": n, "sha": digest.hexdigest(), "malformed": sub.stats.malformed, "missed": sub.stats.missed,
+               "ended": sub.ended}, open(out, "w"))
 """)
 
 
@@ -80,9 +81,10 @@ def test_best_effort_never_blocks_and_counters_add_up(tmp_path: Path) -> None:
     child.wait(timeout=60)
     got = json.loads(out.read_text())
     assert stats.stall_seconds == 0.0
-    assert stats.dropped > 0, "a 10 ms/capture consumer cannot keep up; something must be dropped"
     assert stats.captured == stats.published + stats.dropped == 15 * 16
-    assert got["n"] == stats.published, "every published capture reaches a live subscriber"
+    # ZeroMQ drops at this subscriber's full pipe; the subscriber counts exactly what it lost.
+    assert got["missed"] > 0, "a 10 ms/capture consumer cannot keep up; something must be lost"
+    assert got["ended"] and got["n"] + got["missed"] == stats.published and got["malformed"] == 0
 
 
 def test_close_removes_every_hook_and_output_is_unchanged() -> None:

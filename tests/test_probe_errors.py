@@ -11,7 +11,7 @@ import zmq
 from models import build
 
 import probe
-from probe._wire import HEADER, MAGIC, VERSION, encode_envelope
+from probe._wire import ERROR_KINDS, HEADER, MAGIC, VERSION, encode_envelope
 
 
 def test_unknown_site_lists_what_is_available() -> None:
@@ -77,6 +77,7 @@ def test_wait_for_subscribers_times_out_clearly() -> None:
         assert session.stats.subscribers == 1
 
 
+@pytest.mark.filterwarnings("ignore:probebus. the publisher speaks")
 def test_malformed_frames_are_counted_and_ignored() -> None:
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.XPUB)
@@ -106,6 +107,9 @@ def test_malformed_frames_are_counted_and_ignored() -> None:
         [env(pay=b""), payload[:-1]],  # a separate payload frame of the wrong size
         [env(), payload],  # payload twice
         [good, b"x", b"y"],
+        [b"layers.x.resid_post" + good[len(site):]],  # well-formed header, not a site name
+        [env(layer=3)],  # the header's layer disagrees with the site name
+        [b"\x00probebus/end {not json"],  # a broken control message
     ]
     for frames in bad:
         pub.send_multipart(frames)
@@ -116,6 +120,8 @@ def test_malformed_frames_are_counted_and_ignored() -> None:
         assert cap is not None and cap.tensor.tolist() == [[0, 1, 2], [3, 4, 5]]
         assert cap.positions.tolist() == [0, 1] and cap.token_ids.tolist() == [5, 6] and cap.site == site.decode()
     assert sub.stats.malformed == len(bad) and sub.stats.received == 2
-    assert HEADER.size == 32 and MAGIC == b"PBUS"
+    assert set(sub.stats.errors) <= set(ERROR_KINDS) and sum(sub.stats.errors.values()) == len(bad)
+    assert sub.stats.errors["version"] == 1 and sub.stats.errors["site"] == 3
+    assert HEADER.size == 48 and MAGIC == b"PBUS"
     sub.close()
     pub.close(0)

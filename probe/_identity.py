@@ -1,0 +1,190 @@
+"""Per-forward identity: which rows of a [batch, seq] activation are real tokens, and whose.
+
+    tracker = IdentityTracker(stop_ids)
+    ident = tracker.begin(input_ids, attention_mask, past, batch, seq_len, override)
+    index, tokens, n = ident.rows(seq_len)     # shared by every site of the step
+
+Computed once per top-level forward (in a pre-hook on the model) and shared by every
+site of that step, so the hooks only index and copy. Positions come from the
+attention mask and the KV-cache length, never from the row index, so left padding,
+right padding and cached decoding all give each token its index in its own sequence.
+
+Everything here is numpy on host arrays: a torch op on a tiny tensor costs 3-8 us of
+dispatch, numpy ~1 us, and this runs on the model's thread every step. In decode the
+positions are carried forward from the previous step instead of re-summing the
+whole mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+PREFILL, DECODE, VERIFY = 0, 1, 2
+
+
+@dataclass
+class StepIdentity:
+    step: int
+    phase: int
+    batch: int
+    seq_len: int
+    valid: np.ndarray | None  # bool [B, S]; None: every token is real
+    seq_ids: np.ndarray  # int64 [B]
+    positions: np.ndarray  # int64 [B, S]
+    token_ids: np.ndarray  # int64 [B, S] (-1 when the model was fed embeddings)
+    device: torch.device
+    _rows: dict[int, tuple[np.ndarray | None, bytes, int]] = field(default_factory=dict)
+    _device_index: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def rows(self, seq_len: int) -> tuple[np.ndarray | None, bytes, int]:
+        """(flat row index or None for "all rows", tokens int64 [3, n] as bytes, n).
+
+        `seq_len` may be shorter than the step's (an LM head that only computes the
+        last positions, e.g. `logits_to_keep=1` in `generate`): the last columns are used.
+        """
+        got = self._rows.get(seq_len)
+        if got is None:
+            cut = self.seq_len - seq_len
+            if cut < 0:
+                raise ValueError(f"activation has {seq_len} positions but the step has {self.seq_len}")
+            valid = None if self.valid is None else self.valid[:, cut:]
+            if valid is None or valid.all():
+                n = self.batch * seq_len
+                tokens = np.empty((3, self.batch, seq_len), dtype=np.int64)
+                tokens[0] = self.seq_ids[:, None]
+                tokens[1] = self.positions[:, cut:]
+                tokens[2] = self.token_ids[:, cut:]
+                index = None
+            else:
+                b, s = np.nonzero(valid)
+                n = len(b)
+                tokens = np.empty((3, n), dtype=np.int64)
+                tokens[0] = self.seq_ids[b]
+                tokens[1] = self.positions[:, cut:][b, s]
+                tokens[2] = self.token_ids[:, cut:][b, s]
+                index = b * seq_len + s
+            got = (index, tokens.tobytes(), n)
+            self._rows[seq_len] = got
+        return got
+
+    def device_index(self, seq_len: int) -> torch.Tensor:
+        """The row index of `rows(seq_len)` as a tensor on the model's device (CUDA path)."""
+        got = self._device_index.get(seq_len)
+        if got is None:
+            index = self.rows(seq_len)[0]
+            assert index is not None
+            got = self._device_index[seq_len] = torch.from_numpy(index).to(self.device)
+        return got
+
+
+def host_array(t: torch.Tensor | np.ndarray | list | tuple, dtype: type) -> np.ndarray:
+    """A host numpy array of `t` (a view when it already is one of the right dtype)."""
+    if isinstance(t, torch.Tensor):
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        a = t.numpy()
+    else:
+        a = np.asarray(t)
+    return a if a.dtype == dtype else a.astype(dtype)
+
+
+def cache_length(cache: object) -> int:
+    if cache is None:
+        return 0
+    get = getattr(cache, "get_seq_length", None)
+    if callable(get):
+        return int(get())
+    try:  # legacy tuple-of-tuples cache: [layer][k/v] of [B, heads, T, d]
+        return int(cache[0][0].shape[-2])  # type: ignore[index]
+    except (TypeError, IndexError, AttributeError):
+        return 0
+
+
+class IdentityTracker:
+    """Issues sequence ids and carries positions from one forward step to the next."""
+
+    def __init__(self, stop_ids: np.ndarray) -> None:
+        self.stop_ids = stop_ids  # generate keeps feeding finished rows their EOS / pad: not real tokens
+        self.step = 0
+        self.next_seq = 0
+        self._seq_ids = np.empty(0, dtype=np.int64)
+        self._finished = np.empty(0, dtype=bool)
+        self._count: np.ndarray | None = None  # real tokens per row so far (mask-derived positions)
+        self._expect_width = -1  # mask width at which the carried counts are valid
+        self.warnings: list[str] = []
+
+    def new_seq_ids(self, batch: int) -> np.ndarray:
+        ids = np.arange(self.next_seq, self.next_seq + batch, dtype=np.int64)
+        self.next_seq += batch
+        return ids
+
+    def begin(self, ids: torch.Tensor | None, mask: torch.Tensor | None, past: int, batch: int, seq_len: int,
+              override: dict | None, device: torch.device) -> StepIdentity:
+        ov = override or {}
+        positions, valid = self._positions(mask, batch, seq_len, past)
+        if ov.get("positions") is not None:
+            positions = np.broadcast_to(host_array(ov["positions"], np.int64), (batch, seq_len))
+        if ov.get("valid") is not None:
+            valid = np.broadcast_to(host_array(ov["valid"], np.bool_), (batch, seq_len))
+        phase = PREFILL if past == 0 else DECODE
+        if ov.get("phase") is not None:
+            phase = ov["phase"]
+        if ov.get("seq_ids") is not None:
+            seq_ids = host_array(ov["seq_ids"], np.int64)
+        elif phase == PREFILL or len(self._seq_ids) != batch:
+            if phase != PREFILL:
+                self.warnings.append(f"probebus: batch changed to {batch} rows mid-generation; new seq_ids issued")
+            seq_ids = self.new_seq_ids(batch)
+            self._finished = np.zeros(batch, dtype=bool)
+        else:
+            seq_ids = self._seq_ids
+        self._seq_ids = seq_ids
+        token_ids = host_array(ids, np.int64) if ids is not None else np.full((batch, seq_len), -1, dtype=np.int64)
+        if phase == DECODE and len(self.stop_ids) and len(self._finished) == batch:
+            first = token_ids[:, 0]
+            self._finished |= (first[:, None] == self.stop_ids[None, :]).any(1)
+            if self._finished.any():
+                keep = ~self._finished[:, None]
+                valid = keep if valid is None else valid & keep
+        self.step += 1
+        if valid is not None and valid.all():
+            valid = None
+        return StepIdentity(self.step, phase, batch, seq_len, valid, seq_ids, positions, token_ids, device)
+
+    def _positions(self, mask: torch.Tensor | None, batch: int, seq_len: int,
+                   past: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Positions [B, S] (0-based, padding excluded) and validity [B, S] (None: all valid)."""
+        if mask is not None and mask.dim() == 2 and mask.shape[0] == batch:
+            width = mask.shape[1]
+            if width == past + seq_len:  # the full mask, as generate passes it
+                new = host_array(mask[:, past:], np.int64)
+                if self._count is not None and past > 0 and width - seq_len == self._expect_width \
+                        and len(self._count) == batch:
+                    start = self._count  # carried from the previous step: no re-sum of the history
+                else:
+                    start = host_array(mask[:, :past], np.int64).sum(1)
+                return self._advance(start, new, width)
+            if width == seq_len:  # a mask of the new tokens only
+                new = host_array(mask, np.int64)
+                return self._advance(np.full(batch, past, dtype=np.int64), new, -1)
+        self._count = None
+        pos = np.broadcast_to(np.arange(past, past + seq_len, dtype=np.int64), (batch, seq_len))
+        return pos, None
+
+    def _advance(self, start: np.ndarray, new: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray | None]:
+        if new.shape[1] == 1:  # decode: one token per row
+            col = new[:, 0]
+            positions = (start + col - 1)[:, None]
+            self._count = start + col
+            valid = None if col.all() else col.astype(bool)[:, None]
+        else:
+            cum = new.cumsum(1)
+            positions = start[:, None] + cum - 1
+            self._count = start + cum[:, -1]
+            valid = None if new.all() else new.astype(bool)
+        self._expect_width = width
+        return positions, valid
