@@ -187,8 +187,11 @@ class Publisher:
         """Called by the model's thread after every forward: read subscriptions if any arrived."""
         self.last_active = time.monotonic()
         with self.lock:
-            if self._info_due or self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._service()
+            try:
+                if self._info_due or self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._service()
+            except zmq.ZMQError:  # closed by close() from another thread while this forward ran
+                pass
 
     @property
     def stall_seconds(self) -> float:
@@ -219,7 +222,9 @@ class Publisher:
                     self.subscribers.discard(msg[1:])
         if self._info_due and self.info_body:
             try:
-                sock.send(encode_control(INFO_TOPIC, self.info_body), zmq.NOBLOCK)
+                # With the per-site counts so far: a late joiner starts counting losses from there.
+                body = {**self.info_body, "counts": {k.decode(): v for k, v in self.counts.items()}}
+                sock.send(encode_control(INFO_TOPIC, body), zmq.NOBLOCK)
                 self._info_due = False
             except zmq.Again:
                 pass  # a full pipe under NODROP: try again at the next step or tick

@@ -217,7 +217,10 @@ class Subscriber:
     def _control(self, frame: bytes) -> None:
         try:
             if frame.startswith(INFO_TOPIC):
-                self.info = SessionInfo.from_dict(decode_control(frame, INFO_TOPIC))
+                body = decode_control(frame, INFO_TOPIC)
+                self.info = SessionInfo.from_dict(body)
+                for site, n in (body.get("counts") or {}).items():  # published before we joined: not missed
+                    self._next_seq.setdefault(str(site), int(n))
             elif frame.startswith(END_TOPIC):
                 self._end(decode_control(frame, END_TOPIC))
             # other control topics (none today) are for newer versions: ignored, not malformed

@@ -1,0 +1,307 @@
+"""Nothing hangs, nothing grows without bound: stalled and hostile peers, real processes and sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from models import build
+
+import probe
+from probe._wire import ERROR_KINDS, HEADER, MAGIC, VERSION, encode_envelope
+
+READER = textwrap.dedent("""
+    import json, sys, time, probe
+    endpoint, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    sub = probe.Subscriber(endpoint, rcvhwm=int(sys.argv[4]) if len(sys.argv) > 4 else 1000)
+    print("ready", flush=True)
+    if mode == "stall":                   # connected, never reads
+        time.sleep(600)
+    if mode == "late":                    # connected, reads only once told to (after the session closed)
+        sys.stdin.readline()
+    n = 0
+    t0 = time.monotonic()
+    for cap in sub.iter(idle_timeout=60):
+        n += 1
+    json.dump({"n": n, "missed": sub.stats.missed, "malformed": sub.stats.malformed, "ended": sub.ended,
+               "counts": sub.end_counts, "info": sub.info and sub.info.to_dict()}, open(out, "w"))
+""")
+
+
+def _reader(endpoint: str, out: Path, mode: str, rcvhwm: int = 1000) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", READER, endpoint, str(out), mode, str(rcvhwm)],
+                         stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _forward(model: torch.nn.Module, n: int, seq: int = 8) -> None:
+    with torch.no_grad():
+        for _ in range(n):
+            model((torch.arange(seq) % 100 + 3).unsqueeze(0))
+
+
+def test_best_effort_stalled_subscriber_does_not_starve_a_healthy_one(tmp_path: Path) -> None:
+    model = build("llama")
+    n_layers = model.config.num_hidden_layers
+    with probe.attach(model, "layers.*.resid_post", policy="best_effort", sndhwm=64) as session:
+        stalled = _reader(session.endpoint, tmp_path / "stalled.json", "late", rcvhwm=4)
+        healthy = _reader(session.endpoint, tmp_path / "healthy.json", "read")
+        session.wait_for_subscribers(2, timeout=30)
+        for _ in range(400):  # ~1 MB, far more than the stalled pipe holds
+            _forward(model, 1)
+            time.sleep(0.001)
+    stats = session.stats
+    t0 = time.monotonic()
+    healthy.wait(timeout=60)
+    took = time.monotonic() - t0
+    assert stalled.stdin is not None
+    stalled.stdin.write("go\n")
+    stalled.stdin.flush()
+    stalled.wait(timeout=60)
+    got = json.loads((tmp_path / "healthy.json").read_text())
+    late = json.loads((tmp_path / "stalled.json").read_text())
+    assert stats.captured == stats.published + stats.dropped and stats.stall_seconds == 0.0
+    assert got["ended"] and got["n"] == stats.published == 400 * n_layers and got["missed"] == 0, got
+    assert got["malformed"] == late["malformed"] == 0, "another subscriber's control traffic is not malformed"
+    assert took < 10, f"the healthy subscriber got its end of stream {took:.1f}s after close"
+    assert got["counts"] == {f"layers.{i}.resid_post": 400 for i in range(n_layers)}
+    # the stalled one lost messages at its own full pipe, and knows exactly how many
+    assert late["ended"] and late["missed"] > 0 and late["n"] + late["missed"] == stats.published, late
+
+
+def test_complete_stall_timeout_degrades_and_counters_hold(tmp_path: Path) -> None:
+    model = build("llama")
+    seen: list[float] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.attach(model, "layers.*.resid_post", policy="complete", sndhwm=64, stall_timeout=1.0) as session:
+            stalled = _reader(session.endpoint, tmp_path / "stalled.json", "stall", rcvhwm=2)
+            healthy = _reader(session.endpoint, tmp_path / "healthy.json", "read")
+            session.wait_for_subscribers(2, timeout=30)
+            done = threading.Event()
+
+            def watch() -> None:  # stall_seconds must count a wait while it is still going on
+                while not done.is_set():
+                    seen.append(session.stats.stall_seconds)
+                    time.sleep(0.1)
+
+            w = threading.Thread(target=watch)
+            w.start()
+            t0 = time.monotonic()
+            for _ in range(200):  # ~450 KB, more than the stalled pipe holds; slow enough for the healthy one
+                _forward(model, 1)
+                time.sleep(0.001)
+            took = time.monotonic() - t0
+            done.set()
+            w.join()
+        stats = session.stats
+        healthy.wait(timeout=60)
+        stalled.kill()
+    got = json.loads((tmp_path / "healthy.json").read_text())
+    assert stats.degraded and 1.0 <= took < 30
+    assert stats.captured == stats.published + stats.dropped == 200 * model.config.num_hidden_layers
+    assert any(0.3 < s < 1.2 for s in seen), f"stall_seconds did not grow during the wait: {seen[:20]}"
+    assert got["ended"] and got["n"] + got["missed"] == stats.published and got["missed"] == 0
+    assert sum("degraded" in str(w.message) for w in caught) == 1
+
+
+def test_complete_forced_close_keeps_the_identity() -> None:
+    model = build("llama")
+    session = probe.attach(model, "layers.*.resid_post", policy="complete", sndhwm=2, stall_timeout=None)
+    ctx = zmq.Context()
+    lazy = ctx.socket(zmq.SUB)  # connects, subscribes, never reads
+    lazy.setsockopt(zmq.RCVHWM, 1)
+    lazy.setsockopt(zmq.SUBSCRIBE, b"")
+    lazy.setsockopt(zmq.SUBSCRIBE, probe._wire.PRESENCE + b"lazy")
+    lazy.connect(session.endpoint)
+    session.wait_for_subscribers(1, timeout=30)
+    t = threading.Thread(target=_forward, args=(model, 100))
+    t.start()
+    time.sleep(1.0)  # the model thread is now blocked on the full pipe
+    stats = session.close(timeout=0.5)  # from another thread: gives up, drops, never hangs
+    t.join(timeout=30)
+    assert not t.is_alive(), "the model thread stayed blocked after close"
+    stats = session.stats
+    assert stats.captured == stats.published + stats.dropped and stats.dropped > 0
+    assert session.join(timeout=10)
+    lazy.close(0)
+    ctx.term()
+
+
+def _rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc for RSS")
+def test_captures_larger_than_the_ring_stay_bounded(tmp_path: Path) -> None:
+    model = build("llama")  # prefill of 1500 tokens x 64 hidden x 4 B = 384 KiB per capture, ring 64 KiB
+    with probe.attach(model, "layers.0.resid_post", policy="best_effort", capacity_bytes=64 << 10) as session:
+        slow = _reader(session.endpoint, tmp_path / "slow.json", "read")
+        session.wait_for_subscribers(1, timeout=30)
+        with pytest.warns(UserWarning, match="exceeds capacity_bytes"):
+            _forward(model, 2, seq=1500)
+        before = _rss_mb()
+        _forward(model, 60, seq=1500)
+        grew = _rss_mb() - before
+    stats = session.stats
+    slow.wait(timeout=60)
+    assert stats.dropped == stats.captured == 62 and grew < 40, (stats, grew)
+    with probe.attach(model, "layers.0.resid_post", policy="complete", capacity_bytes=64 << 10) as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1, timeout=30)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            before = _rss_mb()
+            _forward(model, 20, seq=1500)
+            grew = _rss_mb() - before
+    caps = list(sub.iter(idle_timeout=5))
+    assert len(caps) == 20 and all(c.n_tokens == 1500 for c in caps) and grew < 40, grew
+
+
+def test_big_payloads_are_zero_copy_views_of_the_frame() -> None:
+    model = build("llama")
+    with probe.attach(model, "layers.0.resid_post") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1)
+        _forward(model, 1, seq=512)  # 512 x 64 x 4 B = 128 KiB: a separate, zero-copy frame
+    (cap,) = list(sub.iter(idle_timeout=5))
+    assert cap.tensor.data_ptr() == np.frombuffer(cap.payload, dtype=np.uint8).ctypes.data
+    assert not isinstance(cap.payload.obj, bytes), "the payload must be the frame's own memory"
+
+
+def test_recv_timeout_is_a_deadline() -> None:
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.XPUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = probe.Subscriber(f"tcp://127.0.0.1:{port}", sites="logits")
+    pub.recv()
+    stop = threading.Event()
+
+    def noise() -> None:  # a message every 20 ms that this subscriber does not want or cannot parse
+        while not stop.is_set():
+            pub.send(b"logitsX garbage")
+            pub.send(b"\x00probebus/info {}")
+            time.sleep(0.02)
+
+    t = threading.Thread(target=noise)
+    t.start()
+    t0 = time.monotonic()
+    assert sub.recv(timeout=0.5) is None
+    took = time.monotonic() - t0
+    stop.set()
+    t.join()
+    assert 0.45 < took < 1.5, took
+    sub.close()
+    pub.close(0)
+
+
+def test_session_info_reaches_late_joiners_and_live_sessions_lists_it(tmp_path: Path) -> None:
+    model = build("qwen2")
+    with probe.attach(model, "layers.0.resid_post") as session:
+        listed = {s.run: s for s in probe.live_sessions()}
+        assert session.run in listed and listed[session.run].endpoint == session.endpoint
+        _forward(model, 3)
+        late = probe.Subscriber(session.endpoint)  # joins after three steps went out
+        info = late.wait_info(timeout=10)
+        assert info is not None and info.run == session.run and info.sites == ["layers.0.resid_post"]
+        assert info.dtype == "float32" and info.pid == os.getpid() and info.wire_version == probe.VERSION
+        assert info.config_hash and info.probebus_version == probe.__version__
+        session.add("layers.1.mlp_out")
+        _forward(model, 1)
+    caps = list(late.iter(idle_timeout=5))
+    assert late.info.sites == ["layers.0.resid_post", "layers.1.mlp_out"]
+    assert [c.site for c in caps] == ["layers.0.resid_post", "layers.1.mlp_out"]
+    assert late.ended and late.stats.missed == 0  # it joined late: the earlier captures are not "missed"
+    assert session.run not in {s.run for s in probe.live_sessions()}
+    nobody = probe.Subscriber(f"ipc://{tmp_path}/nobody")
+    assert nobody.wait_info(timeout=0.3) is None
+    nobody.close()
+
+
+def test_wire_version_mismatch_warns_once_and_counts() -> None:
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.XPUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = probe.Subscriber(f"tcp://127.0.0.1:{port}")
+    pub.recv()
+    good = encode_envelope(b"r", b"embed", 0, 1, 1, -1, 2, np.zeros((3, 1), np.int64).tobytes(), b"\0" * 8)
+    at = len(b"embed") + 1
+    old = good[: at + 4] + (VERSION - 1).to_bytes(2, "little") + good[at + 6 :]
+    for _ in range(3):
+        pub.send(old)
+    with pytest.warns(UserWarning, match="wire version") as record:
+        assert sub.recv(timeout=1.0) is None
+    assert len(record) == 1 and sub.stats.errors == {"version": 3}
+    sub.close()
+    pub.close(0)
+
+
+@pytest.mark.filterwarnings("ignore:probebus. the publisher speaks")
+def test_a_hundred_thousand_hostile_frames() -> None:
+    """Random, truncated, wrong-version and absurd-length frames: no crash, bounded memory, all counted."""
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.XPUB_NODROP, 1)
+    pub.setsockopt(zmq.SNDHWM, 100_000)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = probe.Subscriber(f"tcp://127.0.0.1:{port}", rcvhwm=200_000)
+    pub.recv()
+    rng = random.Random(0)
+    tokens = np.zeros((3, 2), np.int64).tobytes()
+    good = encode_envelope(b"run", b"layers.1.resid_post", 1, 1, 7, 1, 4, tokens, b"\0" * 32)
+    at = len(b"layers.1.resid_post") + 1
+
+    def hostile(i: int) -> list[bytes]:
+        kind = i % 8
+        if kind == 0:
+            return [rng.randbytes(rng.randrange(1, 200))]
+        if kind == 1:
+            return [good[: rng.randrange(0, len(good) - 1)]]
+        if kind == 2:
+            return [good[: at + 4] + rng.randrange(3, 65535).to_bytes(2, "little") + good[at + 6 :]]
+        if kind == 3:  # absurd n_tokens / hidden: must be refused before anything is allocated
+            head = HEADER.pack(MAGIC, VERSION, 1, 1, 7, 1, 2**32 - 1, 2**32 - 1, 3, 19, 0, 0)
+            return [good[:at] + head + good[at + HEADER.size :]]
+        if kind == 4:
+            return [good, rng.randbytes(rng.randrange(0, 64))]
+        if kind == 5:
+            return [b"layers.%d.%s" % (rng.randrange(10**7), rng.randbytes(4).hex().encode()) + good[at - 1 :]]
+        if kind == 6:  # a zero byte first, like control topics, but not one of them
+            return [b"\x00" + rng.randbytes(rng.randrange(0, 40)).replace(b"probebus/", b"")]
+        return [good, good, good]
+
+    before = _rss_mb()
+    sent = 0
+    for i in range(100_000):
+        pub.send_multipart(hostile(i))
+        sent += 1
+        if i % 5000 == 4999:  # drain as we go so ZeroMQ's own queues stay small
+            while sub.recv(timeout=0.05) is not None:
+                pass
+    while sub.recv(timeout=0.5) is not None:
+        pass
+    grew = _rss_mb() - before
+    st = sub.stats
+    assert st.received == 0 and st.malformed == sent, (st.malformed, sent, st.errors)
+    assert set(st.errors) <= set(ERROR_KINDS) and len(st.errors) <= len(ERROR_KINDS)
+    assert grew < 50, f"RSS grew by {grew:.0f} MB"
+    sub.close()
+    pub.close(0)
