@@ -1,27 +1,31 @@
 """decoder: speculative decoding as a subscriber of the probe bus.
 
-    from decoder import SpeculativeDecoder, load_drafter, NgramDrafter
-    drafter = load_drafter("probebus/models/default-drafter", target=model)
-    with SpeculativeDecoder(model, drafter, k=5) as spec:
+    from decoder import SpeculativeDecoder, load_drafter
+    drafter = load_drafter("default", target=model)            # the drafter shipped next to the model
+    with SpeculativeDecoder(model, "auto", eagle=drafter, k=5) as spec:
         out = spec.generate(input_ids, max_new_tokens=64)      # == greedy generate, faster
     print(out.stats.tau, out.stats.tokens_per_forward)
+
+`decoder` imports `probe` (and `exporters` for training), never `probebus`.
 """
 
-from ._checkpoint import DrafterError, check_against_target, load_drafter, save_drafter
+from ._checkpoint import DrafterError, check_against_target, load_drafter, resolve_drafter_path, save_drafter
+from ._confidence import ConfidenceHead, train_confidence
+from ._cost import CostModel
 from ._eagle import DraftCache, Eagle3Config, Eagle3Drafter, default_aux_layers
-from ._feeder import EagleFeeder
+from ._feeder import Drafts, EagleFeeder, Feeder
 from ._loop import SpecOutput, SpecStats, SpeculativeDecoder
-from ._ngram import NgramDrafter
+from ._ngram import NgramDrafter, NgramIndex
 from ._remote import RemoteEagle, serve_drafter
-from ._verify import accept, target_probs, verify_greedy, verify_sampling
+from ._sched import DraftPlan, Scheduler
+from ._train import TrainConfig, heldout_acceptance, load_sequences, train_drafter, ttt_mask
+from ._verify import accept, target_probs, verify_greedy, verify_greedy_rows, verify_rows, verify_sampling
 
 __all__ = [
-    "DraftCache", "DrafterError", "EagleFeeder", "RemoteEagle", "serve_drafter",
-    "Eagle3Config", "Eagle3Drafter", "NgramDrafter", "SpecOutput", "SpecStats",
-    "SpeculativeDecoder", "accept", "check_against_target", "default_aux_layers", "load_drafter", "save_drafter",
-    "target_probs", "verify_greedy", "verify_sampling",
+    "ConfidenceHead", "CostModel", "DraftCache", "DraftPlan", "DrafterError", "Drafts", "Eagle3Config",
+    "Eagle3Drafter", "EagleFeeder", "Feeder", "NgramDrafter", "NgramIndex", "RemoteEagle", "Scheduler",
+    "SpecOutput", "SpecStats", "SpeculativeDecoder", "TrainConfig", "accept", "check_against_target",
+    "default_aux_layers", "heldout_acceptance", "load_drafter", "load_sequences", "resolve_drafter_path",
+    "save_drafter", "serve_drafter", "target_probs", "train_confidence", "train_drafter", "ttt_mask",
+    "verify_greedy", "verify_greedy_rows", "verify_rows", "verify_sampling",
 ]
-
-from ._train import TrainConfig, load_sequences, train_drafter, ttt_mask  # noqa: E402
-
-__all__ += ["TrainConfig", "load_sequences", "train_drafter", "ttt_mask"]

@@ -1,16 +1,29 @@
-"""`python -m decoder --bind ADDR --model M --drafter D`: serve a drafter to a loop in another process."""
+"""`python -m decoder --bind ADDR --model FOLDER [--drafter default|FOLDER]`: serve a drafter to a loop elsewhere.
+
+Takes a model *folder* (no names: `decoder` does not know `probebus`'s shipped models;
+`probebus serve-drafter --model default` does). `--drafter default` is the drafter shipped
+next to the model folder.
+"""
 
 import argparse
+import sys
 
 import torch
+from transformers import AutoModelForCausalLM
 
-from decoder import serve_drafter
+from decoder import DrafterError, load_drafter, serve_drafter
 
 ap = argparse.ArgumentParser(prog="python -m decoder", description="Serve an EAGLE-3 drafter over REQ/REP; it reads "
                              "the target's features from the loop's probe bus.")
-ap.add_argument("--bind", default="tcp://127.0.0.1:5600")
-ap.add_argument("--model", default="default")
-ap.add_argument("--drafter", default="default")
+ap.add_argument("--bind", default="tcp://127.0.0.1:5600", help="address to serve on (default: %(default)s)")
+ap.add_argument("--model", required=True, help="the target model's folder (for its embedding and layer count)")
+ap.add_argument("--drafter", default="default", help="default (shipped next to the model) | FOLDER")
 a = ap.parse_args()
 torch.set_num_threads(1)
-serve_drafter(a.bind, a.model, a.drafter)
+try:
+    target = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    drafter = load_drafter(a.drafter, target)
+except (OSError, DrafterError) as exc:
+    print(f"python -m decoder: {exc}", file=sys.stderr)
+    sys.exit(2)
+serve_drafter(a.bind, drafter)

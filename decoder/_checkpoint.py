@@ -1,6 +1,7 @@
 """Load and save EAGLE-3 drafters in the two public layouts.
 
     drafter = load_drafter("path/to/eagle3", target=model)   # either layout, checked against the target
+    drafter = load_drafter("default", target=model)          # the drafter shipped next to the target's folder
     save_drafter(drafter, "out/", target_name="default")     # vllm-project/speculators layout
 
 SafeAILab EAGLE-3: config.json is a Llama config plus `draft_vocab_size` (layer ids, if
@@ -10,11 +11,20 @@ speculators: config.json with `speculators_model_type: "eagle3"`, the layer conf
 `transformer_layer_config`, `draft_vocab_size`, `norm_before_residual`,
 `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`, `speculators_config`; the
 layer's weights under `layers.0.*`. `d2t` holds offsets: target id = draft id + d2t[id].
+SafeAILab's published heads name no feature layers: with a target, EAGLE-3's default
+(2, L//2, L-3) is used and logged, as vLLM does.
+
+`"default"` names the drafter shipped *with the target*: the folder `<model>-drafter`
+next to the target's own folder (or `<model>/drafter` inside it), found from the
+target's `name_or_path`. That is how `probebus/models/default` finds
+`probebus/models/default-drafter` without `decoder` importing `probebus`, and any
+model folder can ship its drafter the same way.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -23,18 +33,43 @@ from torch import nn
 
 from ._eagle import Eagle3Config, Eagle3Drafter, default_aux_layers
 
+log = logging.getLogger("decoder")
+
 
 class DrafterError(ValueError):
     """A drafter checkpoint that is malformed or does not fit the target."""
 
 
+def resolve_drafter_path(path: str | Path, target: nn.Module | None = None) -> Path:
+    """A drafter folder: `path` itself, or for "default" the drafter shipped next to the target's folder."""
+    if str(path) != "default" or Path(path).is_dir():
+        return Path(path)
+    if target is None:
+        raise DrafterError("load_drafter('default') needs target=: the default drafter is the one shipped next "
+                           "to the target model's folder")
+    where = getattr(getattr(target, "config", None), "_name_or_path", "") or getattr(target, "name_or_path", "")
+    if where:
+        model = Path(where).resolve()
+        for cand in (model.parent / f"{model.name}-drafter", model / "drafter"):
+            if (cand / "config.json").is_file():
+                return cand
+    raise DrafterError(f"no drafter ships with the target {where or '(unknown folder)'}: expected "
+                       "'<model>-drafter/' next to its folder or '<model>/drafter/' inside it; pass a drafter folder "
+                       "or use the n-gram drafter")
+
+
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     st = folder / "model.safetensors"
-    if st.is_file():
-        return load_file(str(st))
-    pt = folder / "pytorch_model.bin"
-    if pt.is_file():  # the SafeAILab releases ship this; weights_only refuses arbitrary pickles
-        return torch.load(str(pt), map_location="cpu", weights_only=True)
+    try:
+        if st.is_file():
+            return load_file(str(st))
+        pt = folder / "pytorch_model.bin"
+        if pt.is_file():  # the SafeAILab releases ship this; weights_only refuses arbitrary pickles
+            return torch.load(str(pt), map_location="cpu", weights_only=True)
+    except Exception as exc:  # safetensors and torch raise their own types for truncated or foreign files
+        raise DrafterError(f"{folder}: cannot read the drafter weights ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else 'corrupt file'}); re-download or retrain "
+                           "the drafter") from None
     raise DrafterError(f"{folder}: no model.safetensors or pytorch_model.bin")
 
 
@@ -49,14 +84,34 @@ def _layer_config(raw: dict) -> tuple[dict, str]:
     return raw, "eagle3"
 
 
-def load_drafter(path: str | Path, target: nn.Module | None = None) -> Eagle3Drafter:
-    """Read a drafter folder in either layout; with `target`, bind and check it."""
-    folder = Path(path)
+def load_drafter(path: str | Path, target: nn.Module | None = None, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> Eagle3Drafter:
+    """Read a drafter folder in either layout (or "default": the one shipped with the target); with
+    `target`, check it, bind the target's embedding and move it to the target's device.
+
+    dtype: the drafter's compute dtype; default float32 on CPU (fast and exact there) and the
+    target's dtype on accelerators. A `confidence.safetensors` trained for these weights is
+    loaded as `drafter.confidence` (the round scheduler's acceptance estimate).
+    """
+    folder = resolve_drafter_path(path, target)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise DrafterError(f"{folder}: no config.json (is this an EAGLE-3 drafter folder?)")
-    raw = json.loads(cfg_file.read_text())
-    layer, layout = _layer_config(raw)
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DrafterError(f"{cfg_file}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise DrafterError(f"{cfg_file}: expected a JSON object")
+    try:
+        layer, layout = _layer_config(raw)
+        return _build(folder, raw, layer, layout, target, dtype, device)
+    except KeyError as exc:
+        raise DrafterError(f"{cfg_file} lacks {exc}; not an EAGLE-3 drafter config") from None
+
+
+def _build(folder: Path, raw: dict, layer: dict, layout: str, target: nn.Module | None, dtype: torch.dtype | None,
+           device: torch.device | str | None) -> Eagle3Drafter:
     weights = _read_weights(folder)
     if layout == "speculators":
         weights = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
@@ -98,9 +153,20 @@ def load_drafter(path: str | Path, target: nn.Module | None = None) -> Eagle3Dra
         drafter.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
         raise DrafterError(f"{folder} ({layout} layout) does not match an EAGLE-3 drafter: {exc}") from None
+    from ._confidence import ConfidenceHead
+
+    object.__setattr__(drafter, "confidence", ConfidenceHead.load(folder, drafter))
+    drafter.source = str(folder)
     if target is not None:
         check_against_target(drafter, target)
         drafter.bind_target(target)
+        param = next(target.parameters())
+        device = device or param.device
+        if dtype is None:
+            dtype = torch.float32 if param.device.type == "cpu" else param.dtype
+    drafter.to(device=device, dtype=dtype or torch.float32)
+    if drafter.confidence is not None:
+        drafter.confidence.to(device=device)  # the head stays float32: it is tiny
     return drafter.eval()
 
 
@@ -112,9 +178,13 @@ def check_against_target(drafter: Eagle3Drafter, target: nn.Module) -> None:
     if cfg.vocab_size != tc.vocab_size:
         raise DrafterError(f"drafter vocabulary {cfg.vocab_size} != target vocabulary {tc.vocab_size}")
     n = tc.num_hidden_layers
-    if not cfg.aux_layer_ids:
-        raise DrafterError("the checkpoint names no eagle_aux_hidden_state_layer_ids; refusing to guess the feature "
-                           f"layers (EAGLE-3's default for this target would be {default_aux_layers(n)})")
+    if not cfg.aux_layer_ids:  # SafeAILab's published heads: EAGLE-3's (and vLLM's) default
+        try:
+            cfg.aux_layer_ids = default_aux_layers(n)
+        except ValueError as exc:
+            raise DrafterError(f"the checkpoint names no eagle_aux_hidden_state_layer_ids and {exc}") from None
+        log.info("drafter names no eagle_aux_hidden_state_layer_ids: using EAGLE-3's default %s for this %d-layer "
+                 "target", cfg.aux_layer_ids, n)
     if len(cfg.aux_layer_ids) != 3 or not all(0 <= i < n for i in cfg.aux_layer_ids):
         raise DrafterError(f"eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} are not three layers of a "
                            f"{n}-layer target")

@@ -162,16 +162,28 @@ class Eagle3Layer(nn.Module):
         return h + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                cache: DraftCache) -> torch.Tensor:
+                cache: DraftCache, span: int | None = None) -> torch.Tensor:
+        """One block of inputs at `positions` [B, S]; `span` (1 + the largest position) saves a sync."""
         q, k, v, residual = self.project(emb, hidden, positions)
         b, nkv, s, hd = k.shape
-        idx = positions[:, None, :, None].expand(b, nkv, s, hd)
-        cache.k.scatter_(2, idx, k)
-        cache.v.scatter_(2, idx, v)
-        cache.valid.scatter_(1, positions, True)
-        span = int(positions.max()) + 1
-        keys_pos = torch.arange(span, device=positions.device)
-        mask = cache.valid[:, None, :span] & (keys_pos[None, None, :] <= positions[:, :, None])  # [B, S, span]
+        if s == 1:  # a draft step: one slot per row, written in place
+            rows = torch.arange(b, device=positions.device)
+            at = positions[:, 0]
+            cache.k[rows, :, at] = k[:, :, 0]
+            cache.v[rows, :, at] = v[:, :, 0]
+            cache.valid[rows, at] = True
+        else:
+            idx = positions[:, None, :, None].expand(b, nkv, s, hd)
+            cache.k.scatter_(2, idx, k)
+            cache.v.scatter_(2, idx, v)
+            cache.valid.scatter_(1, positions, True)
+        span = int(positions.max()) + 1 if span is None else span
+        valid = cache.valid[:, None, :span]
+        if s == 1:  # slots after a row's own position were truncated before drafting: no causal term needed
+            mask = valid
+        else:
+            keys_pos = torch.arange(span, device=positions.device)
+            mask = valid & (keys_pos[None, None, :] <= positions[:, :, None])  # [B, S, span]
         return self.attend(q, cache.k[:, :, :span], cache.v[:, :, :span], mask, residual)
 
 
@@ -188,6 +200,9 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         self.embed_tokens: nn.Embedding | None = None
+        # the acceptance estimate for the scheduler (decoder._confidence); not a submodule, never saved here
+        object.__setattr__(self, "confidence", None)
+        self.source = ""
 
     def bind_target(self, target: nn.Module) -> Eagle3Drafter:
         emb = target.get_input_embeddings()
@@ -202,18 +217,29 @@ class Eagle3Drafter(nn.Module):
         return DraftCache(batch, max_len, self.config.num_key_value_heads, self.config.head_dim, p.dtype, p.device)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """[B, S, 3 * target_hidden] target features -> drafter hidden."""
-        return self.fc(features)
+        """[B, S, 3 * target_hidden] target features (any float dtype) -> drafter hidden."""
+        return self.fc(features.to(self.fc.weight.dtype))
 
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
                 cache: DraftCache) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-norm output to feed back, draft-vocabulary logits) for each input position."""
+        h, _, logits = self.step(hidden, next_ids, positions, cache)
+        return h, logits
+
+    def step(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, cache: DraftCache,
+             span: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pre-norm output, normed output, draft logits): the normed output feeds the confidence head."""
         if self.embed_tokens is None:
             raise RuntimeError("call drafter.bind_target(target) first: EAGLE-3 uses the target's embedding")
         with torch.no_grad():
             emb = self.embed_tokens(next_ids)
-        h = self.midlayer(emb.to(hidden.dtype), hidden, positions, cache)
-        return h, self.lm_head(self.norm(h))
+        h = self.midlayer(emb.to(hidden.dtype), hidden, positions, cache, span)
+        hn = self.norm(h)
+        return h, hn, self.lm_head(hn)
+
+    def draft_to_target_ids(self) -> torch.Tensor:
+        """Target id of every draft id, [draft_vocab]."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target vocabulary ids of draft-vocabulary ids (d2t holds offsets)."""

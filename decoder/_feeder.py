@@ -1,96 +1,196 @@
 """The EAGLE-3 drafter as a bus subscriber: features in, drafts out.
 
-    feeder = EagleFeeder(drafter, session.endpoint)
+    feeder = EagleFeeder(drafter, session.endpoint)      # or RemoteEagle(address): the same Feeder protocol
     feeder.prepare(batch, max_len)
-    seq_base, bus_s = feeder.feed(step, start, end, toks)   # accepted positions only
-    drafts, q = feeder.draft(k, temperature, seed)
+    drafts = feeder.draft(feeds, toks, k, temperature, seed, plan)
 
-`feed` waits for the three `resid_pre` captures of forward `step`, keeps the rows of
-positions start..end per row (the accepted ones), and runs the drafter over them;
-`draft` then proposes k tokens by feeding the drafter's own output back. The same
-object runs in the loop's process or, behind `serve_drafter`, in another one.
+`feeds` lists the forwards since the last call as (step, start [B], end [B]): row r
+accepted positions start[r]..end[r] of forward `step`. The feeder takes those rows of
+the three `resid_pre` captures off the bus, runs the drafter over all of them at once
+(lazily: a round that does not draft costs only the bus), then proposes up to k tokens
+by feeding its own output back, one step at a time, stopping when `plan` says another
+step would not pay. With k = 0 it only drains the bus.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 import probe
 
 from ._eagle import Eagle3Drafter
+from ._sched import DraftPlan
+
+
+@dataclass
+class Drafts:
+    """tokens/ids [B, s] (target and draft-vocabulary ids), conf [B, s] raw acceptance estimates,
+    q [B, s, draft_vocab] when sampled (None for argmax drafts), and where the time went."""
+
+    tokens: torch.Tensor
+    ids: torch.Tensor
+    conf: torch.Tensor
+    q: torch.Tensor | None
+    bus_s: float = 0.0
+    compute_s: float = 0.0
+
+    @classmethod
+    def empty(cls, batch: int, bus_s: float = 0.0) -> Drafts:
+        z = torch.zeros(batch, 0, dtype=torch.long)
+        return cls(z, z, torch.zeros(batch, 0), None, bus_s, 0.0)
+
+
+Feed = tuple[int, torch.Tensor, torch.Tensor]
+
+
+class Feeder(Protocol):
+    """What the loop needs from a feature-fed drafter, in its own process or another."""
+
+    config: object  # .aux_layer_ids
+
+    def connect(self, endpoint: str) -> None: ...
+    def prepare(self, batch: int, max_len: int) -> None: ...
+    def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,
+              plan: DraftPlan | None) -> Drafts: ...
+    def close(self) -> None: ...
 
 
 class EagleFeeder:
-    def __init__(self, drafter: Eagle3Drafter, endpoint: str) -> None:
+    def __init__(self, drafter: Eagle3Drafter, endpoint: str | None = None) -> None:
         self.drafter = drafter
+        self.config = drafter.config
         self.sites = [f"layers.{i}.resid_pre" for i in drafter.config.aux_layer_ids]
+        self._slot = {s: i for i, s in enumerate(self.sites)}
+        self.sub: probe.Subscriber | None = None
+        self._d2t = drafter.draft_to_target_ids()
+        if endpoint is not None:
+            self.connect(endpoint)
+
+    def connect(self, endpoint: str) -> None:
         self.sub = probe.Subscriber(endpoint, self.sites)
 
     def close(self) -> None:
-        self.sub.close()
+        if self.sub is not None:
+            self.sub.close()
+            self.sub = None
 
     def prepare(self, batch: int, max_len: int) -> None:
+        p = self.drafter.fc.weight
         h = self.drafter.config.target_hidden_size
-        self.feats = torch.zeros(batch, max_len, 3 * h, dtype=self.drafter.fc.weight.dtype)
+        self.feats = torch.zeros(batch, max_len, 3 * h, dtype=p.dtype, device=p.device)
         self.cache = self.drafter.new_cache(batch, max_len)
         self.seq_base: int | None = None
-        self.h_last: torch.Tensor | None = None
+        self.lo: torch.Tensor | None = None  # per row: first position collected but not yet run
+        self.hi: torch.Tensor | None = None  # per row: last position collected
+        self.ready = False
 
-    @torch.no_grad()
-    def feed(self, step: int, start: torch.Tensor, end: torch.Tensor, toks: torch.Tensor) -> tuple[int, float]:
-        t0 = time.perf_counter()
-        self._collect(step, start, end)
-        bus_s = time.perf_counter() - t0
-        b = start.shape[0]
-        span = int((end - start).max()) + 1
-        pos = torch.minimum(start[:, None] + torch.arange(span), end[:, None])  # ragged rows repeat their last
-        rows = torch.arange(b)[:, None]
-        self.cache.truncate(start)
-        d = self.drafter
-        h, logits = d(d.fuse(self.feats[rows, pos]), toks[rows, pos + 1], pos, self.cache)
-        pick = (end - start)[:, None, None]
-        self.h_last = h.gather(1, pick.expand(b, 1, h.shape[-1]))
-        self.logits_last = logits.gather(1, pick.expand(b, 1, logits.shape[-1]))
-        self.fed_end = end
-        return int(self.seq_base), bus_s  # type: ignore[arg-type]
+    # --- features in ---------------------------------------------------------------------
+    def _collect(self, feeds: list[Feed]) -> None:
+        if self.sub is None:
+            raise RuntimeError("the drafter is not connected to a probe session (connect(endpoint) first)")
+        for step, start, end in feeds:
+            self._collect_step(step, start, end)
+            self.lo = start.clone() if self.lo is None else torch.minimum(self.lo, start)
+            self.hi = end.clone()
 
-    def _collect(self, step: int, start: torch.Tensor, end: torch.Tensor) -> None:
-        got: set[str] = set()
+    def _collect_step(self, step: int, start: torch.Tensor, end: torch.Tensor) -> None:
         h = self.drafter.config.target_hidden_size
-        slot = {s: i for i, s in enumerate(self.sites)}
+        got: set[str] = set()
         while len(got) < 3:
             cap = self.sub.recv(timeout=30)
             if cap is None:
                 raise RuntimeError(f"no features for forward {step} arrived from the probe bus within 30 s")
-            if cap.step != step:  # an earlier step nobody consumed (e.g. an aborted generate)
+            if cap.step < step:  # an earlier forward nobody consumed (an aborted generate, a cost measurement)
                 continue
+            if cap.step > step:
+                raise RuntimeError(f"features of forward {cap.step} arrived while waiting for forward {step}: "
+                                   "the loop and the drafter disagree on the step count")
             got.add(cap.site)
             if self.seq_base is None:
                 self.seq_base = int(cap.seq_ids.min())
             r = cap.seq_ids - self.seq_base
             keep = (cap.positions >= start[r]) & (cap.positions <= end[r])
-            i = slot[cap.site]
-            self.feats[r[keep], cap.positions[keep], i * h:(i + 1) * h] = cap.tensor[keep]
+            i = self._slot[cap.site]
+            src = cap.tensor[keep]
+            self.feats[r[keep], cap.positions[keep], i * h:(i + 1) * h] = src.to(self.feats.dtype)
 
     @torch.no_grad()
-    def draft(self, k: int, temperature: float, seed: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if getattr(self, "h_last", None) is None:
-            raise RuntimeError("draft() before feed(): the drafter has no features of this sequence yet")
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    def _catch_up(self, toks: torch.Tensor) -> None:
+        """Run the drafter over every collected position not yet run; keep the last one's outputs."""
+        start, end = self.lo, self.hi
+        b = start.shape[0]
+        span = int((end - start).max()) + 1
+        pos = torch.minimum(start[:, None] + torch.arange(span), end[:, None])  # ragged rows repeat their last
+        rows = torch.arange(b)[:, None]
+        self.cache.truncate(start)  # drop last round's draft slots
         d = self.drafter
-        drafts, qs = [], []
-        h, logits = self.h_last, self.logits_last
-        pos = self.fed_end + 1
+        dev = self.feats.device
+        h, hn, logits = d.step(d.fuse(self.feats[rows, pos]), toks[rows, pos + 1].to(dev), pos.to(dev), self.cache,
+                               int(end.max()) + 1)
+        pick = (end - start).to(dev)[:, None, None]
+        self.h = h.gather(1, pick.expand(b, 1, h.shape[-1]))
+        self.hn = hn.gather(1, pick.expand(b, 1, hn.shape[-1]))
+        self.logits = logits.gather(1, pick.expand(b, 1, logits.shape[-1]))
+        self.fed_end = end
+        self.lo = None
+        self.ready = True
+
+    # --- drafts out --------------------------------------------------------------------
+    @torch.no_grad()
+    def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,
+              plan: DraftPlan | None = None) -> Drafts:
+        t0 = time.perf_counter()
+        if feeds:
+            self._collect(feeds)
+        bus_s = time.perf_counter() - t0
+        b = toks.shape[0]
+        if k == 0:
+            return Drafts.empty(b, bus_s)
+        if self.lo is not None:
+            self._catch_up(toks)
+        if not self.ready:
+            raise RuntimeError("draft() before any features were fed: the drafter has nothing to draft from")
+        d = self.drafter
+        gen = torch.Generator(device=self.feats.device).manual_seed(seed) if seed is not None else None
+        head = d.confidence
+        h, hn, logits = self.h, self.hn, self.logits
+        pos0 = (self.fed_end + 1).to(self.feats.device)
+        span = int(self.fed_end.max()) + 2
+        tokens, ids, confs, qs = [], [], [], []
+        prefix: list[list[float]] | None = None
+        if plan is not None and not plan.fixed:
+            prefix = [[0.0] for _ in range(b)]
+            cum = [1.0] * b
         for i in range(k):
-            if temperature > 0:  # the sampling rule needs q over the target vocabulary
-                q = (d.target_logits(logits[:, 0]) / temperature).softmax(-1)
-                tok = torch.multinomial(q, 1, generator=gen).squeeze(-1)
+            lg = logits[:, 0]
+            if temperature > 0:  # sample in the draft vocabulary: q never needs the target's full vocabulary
+                q = (lg.float() / temperature).softmax(-1)
+                did = torch.multinomial(q, 1, generator=gen).squeeze(-1)
                 qs.append(q)
-            else:  # argmax in the draft vocabulary, then d2t: no scatter onto the full vocabulary
-                tok = d.to_target(logits[:, 0].argmax(-1))
-            drafts.append(tok)
-            if i + 1 < k:  # feed the drafter's own output back as the next feature
-                h, logits = d(h, tok[:, None], pos[:, None] + i, self.cache)
-        return torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None
+            else:
+                did = lg.argmax(-1)
+            if head is not None:
+                conf = head(head.features(hn[:, 0], lg, i))
+            else:  # no head: the drafter's own probability of its top token
+                conf = (lg.float().max(-1).values - torch.logsumexp(lg.float(), -1)).exp()
+            tok = self._d2t[did]
+            tokens.append(tok)
+            ids.append(did)
+            confs.append(conf)
+            if i + 1 == k:
+                break
+            if prefix is not None:
+                cond = [plan.conditional(c) for c in conf.tolist()]
+                for r in range(b):
+                    cum[r] *= cond[r]
+                    prefix[r].append(prefix[r][-1] + cum[r])
+                if not plan.worth_another(prefix, cond):
+                    break
+            h, hn, logits = d.step(h, tok[:, None], pos0[:, None] + i, self.cache, span + i)
+        stack = torch.stack
+        return Drafts(stack(tokens, 1), stack(ids, 1), stack(confs, 1).float().cpu(),
+                      stack(qs, 1) if qs else None, bus_s, time.perf_counter() - t0 - bus_s)

@@ -1,109 +1,105 @@
 """Speculative decoding as a subscriber of the probe bus.
 
-    with SpeculativeDecoder(target, load_drafter(path, target), k=5) as spec:
+    with SpeculativeDecoder(target, "auto", k=5) as spec:     # EAGLE-3 (if one ships) + n-gram, scheduled
         out = spec.generate(input_ids, attention_mask=mask, max_new_tokens=64)
     out.sequences, out.stats.tau
 
-Per round: the target runs over [last, d1..dk] with probes on the drafter's feature
-sites (phase `verify`); the drafter subscriber takes the features of the accepted
-positions from the bus; it drafts k tokens; the loop verifies them losslessly and
-crops the target's KV cache. Rows of a batch accept independently: rejected slots stay
-in the shared cache as masked-out holes and every row carries its own positions.
+Per round: the scheduler picks, per row, EAGLE-3, n-gram or nothing and the verify length
+from measured costs and acceptance estimates; the target runs over [last, d1..dn] with
+probes on the drafter's feature sites (phase `verify`); the drafter subscriber reads the
+accepted positions' features off the bus when it next drafts; the loop verifies
+losslessly, commits, and crops the target's KV cache. `schedule="fixed"` drafts exactly
+k every round with the given drafter (the classic loop, kept for comparison).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 import probe
 
+from ._cost import CostModel
 from ._eagle import Eagle3Drafter
-from ._feeder import EagleFeeder
+from ._feeder import Drafts, EagleFeeder, Feeder
 from ._ngram import NgramDrafter
-from ._remote import RemoteEagle
-from ._verify import target_probs, verify_greedy, verify_sampling
+from ._sched import DraftPlan, Scheduler
+from ._state import Run, SpecOutput, SpecStats
+from ._verify import target_probs, verify_greedy_rows, verify_rows
+
+__all__ = ["RoundDrafts", "SpecOutput", "SpecStats", "SpeculativeDecoder"]
 
 
 @dataclass
-class SpecStats:
-    batch: int = 1
-    rounds: int = 0
-    target_forwards: int = 0
-    emitted: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # per draft position: rows that accepted it
-    offered_at: list[int] = field(default_factory=list)
-    row_rounds: int = 0
-    ngram_rounds: int = 0
-    seconds: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    bus_s: float = 0.0
+class RoundDrafts:
+    """What one round verifies: drafts [B, L-1] (row r offers k_rows[r]) and what the scheduler knew."""
 
-    @property
-    def tau(self) -> float:
-        """Mean tokens emitted per verification round and row, bonus token included."""
-        return (self.accepted + self.row_rounds) / max(self.row_rounds, 1)
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """New tokens per row per target forward (prefill included)."""
-        return self.emitted / max(self.target_forwards * self.batch, 1)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.emitted / max(self.seconds, 1e-9)
-
-    @property
-    def acceptance(self) -> list[float]:
-        return [a / o if o else 0.0 for a, o in zip(self.accepted_at, self.offered_at, strict=True)]
-
-    def as_dict(self) -> dict:
-        keys = ("batch", "rounds", "target_forwards", "emitted", "drafted", "accepted", "ngram_rounds", "seconds",
-                "draft_s", "verify_s", "bus_s")
-        d = {k: getattr(self, k) for k in keys}
-        d.update(tau=self.tau, tokens_per_forward=self.tokens_per_forward, tokens_per_s=self.tokens_per_s,
-                 acceptance=self.acceptance)
-        return d
-
-
-@dataclass
-class SpecOutput:
-    sequences: torch.Tensor
-    stats: SpecStats
+    tokens: torch.Tensor
+    k_rows: list[int]
+    methods: list[str]
+    ids: torch.Tensor | None = None  # draft-vocabulary ids (EAGLE-3 rows)
+    q: torch.Tensor | None = None  # [B, L-1, draft_vocab] for rows that sampled from the drafter
+    sampled: list[bool] | None = None
+    eagle: Drafts | None = None  # everything EAGLE-3 proposed this round (for calibration)
+    props: list[list[int]] | None = None  # n-gram proposals, match lengths, overlaps
+    match: list[int] | None = None
+    overlap: list[float] | None = None
 
 
 class SpeculativeDecoder:
-    """drafter: an Eagle3Drafter, an NgramDrafter, "auto" (both, chosen per round), or None."""
+    """drafter: an Eagle3Drafter, a remote Feeder (`RemoteEagle`), an NgramDrafter, "auto" (EAGLE-3 if one
+    ships with the target, plus n-gram), or None (plain steps). k is the longest draft."""
 
-    def __init__(self, target: nn.Module, drafter: Eagle3Drafter | RemoteEagle | NgramDrafter | str | None = None,
-                 *, k: int = 5, ngram: NgramDrafter | None = None, eagle: Eagle3Drafter | RemoteEagle | None = None,
-                 endpoint: str | None = None) -> None:
+    def __init__(self, target: nn.Module, drafter: Eagle3Drafter | Feeder | NgramDrafter | str | None = None, *,
+                 k: int = 5, ngram: NgramDrafter | None = None, eagle: Eagle3Drafter | Feeder | None = None,
+                 endpoint: str | None = None, schedule: str = "auto", cost: CostModel | None = None) -> None:
+        if schedule not in ("auto", "fixed"):
+            raise ValueError(f"schedule must be 'auto' or 'fixed', got {schedule!r}")
+        if k < 1:
+            raise ValueError(f"k (the longest draft) must be >= 1, got {k}")
         self.target, self.k = target, k
         if drafter == "auto":
             if eagle is None:
-                raise ValueError("drafter='auto' needs eagle=Eagle3Drafter(...)")
+                from ._checkpoint import DrafterError, load_drafter
+
+                with contextlib.suppress(DrafterError):
+                    eagle = load_drafter("default", target)
             self.eagle, self.ngram = eagle, ngram or NgramDrafter()
+        elif isinstance(drafter, str):
+            raise ValueError(f"drafter must be a drafter object, 'auto' or None, got {drafter!r}")
         else:
-            self.eagle = drafter if isinstance(drafter, (Eagle3Drafter, RemoteEagle)) else None
             self.ngram = drafter if isinstance(drafter, NgramDrafter) else None
+            self.eagle = None if drafter is None or isinstance(drafter, NgramDrafter) else drafter
+        if schedule == "fixed" and self.eagle is not None and self.ngram is not None:
+            raise ValueError("schedule='fixed' drafts with one method; 'auto' chooses between EAGLE-3 and n-gram")
+        self.sched = Scheduler(k, fixed=schedule == "fixed")
+        self._cost = cost
         self.session = None
-        self.feeder: EagleFeeder | RemoteEagle | None = None
+        self.feeder: Feeder | None = None
         if self.eagle is not None:
             ids = self.eagle.config.aux_layer_ids
             self.session = probe.attach(target, [f"layers.{i}.resid_pre" for i in ids], endpoint=endpoint)
-            if isinstance(self.eagle, RemoteEagle):
+            if isinstance(self.eagle, Eagle3Drafter):
+                self.feeder = EagleFeeder(self.eagle, self.session.endpoint)
+            else:  # a Feeder elsewhere (RemoteEagle): it subscribes from its own process
                 self.feeder = self.eagle
                 self.feeder.connect(self.session.endpoint)
-            else:
-                self.feeder = EagleFeeder(self.eagle, self.session.endpoint)
             self.session.wait_for_subscribers(1)
+
+    @property
+    def endpoint(self) -> str | None:
+        """The probe session's endpoint (watch it with `probebus top`), or None without EAGLE-3."""
+        return self.session.endpoint if self.session is not None else None
+
+    @property
+    def cost(self) -> CostModel:
+        if self._cost is None:
+            self._cost = CostModel.for_target(self.target)
+        return self._cost
 
     def close(self) -> None:
         if self.session is not None:
@@ -122,155 +118,262 @@ class SpeculativeDecoder:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int = 32, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int | None = None, seed: int | None = None) -> SpecOutput:
+                 pad_token_id: int | None = None, seed: int | None = None, streamer: object = None) -> SpecOutput:
+        """Greedy output equals `target.generate(do_sample=False)`; sampling follows the target's distribution
+        exactly. `streamer` takes transformers' streamer interface (put(ids), end()); batch 1 only."""
         t0 = time.perf_counter()
-        st = SpecStats(batch=input_ids.shape[0], accepted_at=[0] * self.k, offered_at=[0] * self.k)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        sample = temperature > 0
-        b, p_len = input_ids.shape
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-        eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-        lens = mask.sum(1)
-        max_len = p_len + max_new_tokens + 2 * self.k + 4  # a row may overshoot its budget by k, then drafts k
-        toks = torch.zeros(b, max_len, dtype=torch.long)  # each row's real tokens by position
-        for r in range(b):
-            toks[r, : lens[r]] = input_ids[r, mask[r].bool()]
-        emitted = torch.zeros(b, dtype=torch.long)
-        done = torch.zeros(b, dtype=torch.bool)
-        self._prepare(b, max_len)
-
-        # Prefill: positions from the mask, so left padding never shifts a row.
-        cache = DynamicCache()
-        pos_ids = (mask.cumsum(1) - 1).clamp_min(0)
-        tv = time.perf_counter()
-        with self._context("prefill"):
-            logits = self.target(input_ids, attention_mask=mask, position_ids=pos_ids, cache=cache,
-                                 use_cache=True).logits[:, -1:]
-        nxt = self._choose(logits, temperature, top_k, top_p, gen)[:, 0]
-        st.verify_s += time.perf_counter() - tv
-        st.target_forwards += 1
-        last_pos = lens.clone()  # position of the token that goes in next
-        toks[torch.arange(b), last_pos] = nxt
-        emitted += 1
-        done |= torch.isin(nxt, eos)
-        self._feed(st, start=torch.zeros_like(lens), end=lens - 1, toks=toks)
-
-        while not bool((done | (emitted >= max_new_tokens)).all()):
-            td = time.perf_counter()
-            drafts, q, used_ngram = self._draft(toks, last_pos, temperature, gen)
-            st.draft_s += time.perf_counter() - td
-            k = drafts.shape[1]
-            inp = torch.cat([toks[torch.arange(b), last_pos][:, None], drafts], 1)
-            positions = last_pos[:, None] + torch.arange(k + 1)
-            cols = mask.shape[1]
-            mask = torch.cat([mask, torch.ones(b, k + 1, dtype=torch.long)], 1)
+        run = self._start(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
+                          streamer)
+        self._prefill(run)
+        while run.any_active():
+            tr = time.perf_counter()
+            drafts = self._draft(run)  # schedule + draft: method and length per row
             tv = time.perf_counter()
-            with self._context("verify", positions):
-                logits = self.target(inp, attention_mask=mask, position_ids=positions, cache=cache,
-                                     use_cache=True).logits
-            if sample:
-                p = target_probs(logits, temperature, top_k, top_p)
-                n_acc, nxt = verify_sampling(drafts, p, q, gen)
-            else:
-                n_acc, nxt = verify_greedy(drafts, logits)
-            st.verify_s += time.perf_counter() - tv
-            st.target_forwards += 1
-            active = ~done & (emitted < max_new_tokens)
-            for r in range(b):
-                if not active[r]:
-                    continue
-                n = int(n_acc[r])
-                new = torch.cat([drafts[r, :n], nxt[r: r + 1]])
-                budget = max_new_tokens - int(emitted[r])
-                hit = torch.isin(new, eos).nonzero()
-                keep = min(len(new), budget, int(hit[0]) + 1 if len(hit) else len(new))
-                toks[r, last_pos[r] + 1: last_pos[r] + 1 + keep] = new[:keep]
-                emitted[r] += keep
-                done[r] |= bool(len(hit)) and int(hit[0]) < keep
-                st.row_rounds += 1
-                st.accepted += n
-                st.drafted += k
-                for i in range(k):
-                    st.offered_at[i] += 1
-                    st.accepted_at[i] += int(n > i)
-            st.rounds += 1
-            st.ngram_rounds += int(used_ngram)
-            # Rejected slots become masked holes; rows that were already finished keep nothing.
-            n_eff = torch.where(active, n_acc, torch.full_like(n_acc, -1))
-            mask[:, cols:] *= (torch.arange(k + 1)[None, :] <= n_eff[:, None]).long()
-            keep_cols = cols + int(n_eff.max()) + 1
-            if cache.get_seq_length() > keep_cols:  # transformers 5: crop(-n) removes the last n tokens
-                cache.crop(keep_cols - cache.get_seq_length())
-            mask = mask[:, :keep_cols]
-            start = last_pos.clone()
-            last_pos = last_pos + n_eff + 1
-            self._feed(st, start=start, end=torch.maximum(last_pos - 1, start), toks=toks)
-
-        st.emitted = int(emitted.sum())
-        st.seconds = time.perf_counter() - t0
-        return SpecOutput(self._sequences(input_ids, toks, lens, emitted, pad_token_id), st)
+            logits = self._forward(run, drafts)  # verify
+            n_acc, nxt = self._accept(run, drafts, logits)
+            kept = self._commit(run, drafts, n_acc, nxt)
+            self._account(run, drafts, n_acc, kept, tr, tv)
+        run.stats.seconds = time.perf_counter() - t0
+        if run.streamer is not None:
+            run.streamer.end()
+        return SpecOutput(run.sequences(pad_token_id), run.stats)
 
     # --- pieces ---------------------------------------------------------------------------
-    def _prepare(self, batch: int, max_len: int) -> None:
-        self._seq_ids = None
+    def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
+               temperature: float, top_k: int | None, top_p: float | None, eos: int | list[int] | None,
+               seed: int | None, streamer: object) -> Run:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch >= 1, length >= 1], got {tuple(input_ids.shape)}")
+        if streamer is not None and input_ids.shape[0] != 1:
+            raise ValueError("a streamer needs batch size 1 (as in transformers)")
+        device = next(self.target.parameters()).device
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        run = Run(input_ids, attention_mask, max_new_tokens=max_new_tokens, k=self.k, eos=eos_ids, device=device)
+        run.temperature, run.top_k, run.top_p, run.streamer = temperature, top_k, top_p, streamer
+        run.gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        run.mode = "sample" if temperature > 0 else "greedy"
+        # A seed reproduces the output: the schedule then depends on nothing timed or learned in earlier calls
+        # (priors and the cost curve as loaded); unseeded calls adapt to measured time and keep what they learn.
+        run.seeded = seed is not None
+        run.sched = Scheduler(self.k, fixed=self.sched.fixed) if run.seeded else self.sched
+        run.sched.reset()
+        if self.feeder is not None or self.ngram is not None:
+            ctx = None
+            if self.session is not None:  # measuring forwards must not publish features
+                def ctx():  # noqa: ANN202
+                    return self.session.context(valid=torch.zeros(1, 1, dtype=torch.bool))
+            self.cost.ensure(run.b, self.k, self.eagle if isinstance(self.eagle, Eagle3Drafter) else None, ctx)
         if self.feeder is not None:
-            self.feeder.prepare(batch, max_len)
+            self.feeder.prepare(run.b, run.cap)
+        if self.ngram is not None:
+            run.ngram = [self.ngram.index(run.toks[r, : run.lens[r]].tolist()) for r in range(run.b)]
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        return run
+
+    def _prefill(self, run: Run) -> None:
+        tv = time.perf_counter()
+        mask, pos = run.prefill_inputs()
+        with self._context("prefill"):
+            logits = self.target(run.input_ids.to(run.device), attention_mask=mask, position_ids=pos,
+                                 cache=run.cache, use_cache=True).logits[:, -1]
+        first = self._choose(run, logits).tolist()
+        run.start(first)
+        run.stats.verify_s += time.perf_counter() - tv
+        run.stats.target_forwards += 1
+        run.stats.emitted = run.b
+        if self.feeder is not None:
+            lens = torch.tensor(run.lens)
+            run.feeds.append((self.session.step, torch.zeros_like(lens), lens - 1))
+        if run.ngram is not None:
+            for r, t in enumerate(first):
+                run.ngram[r].extend([t])
+        if run.streamer is not None:
+            run.streamer.put(torch.tensor(first))
+
+    def _draft(self, run: Run) -> RoundDrafts:
+        b, k = run.b, self.k
+        if self.feeder is None and self.ngram is None:
+            return RoundDrafts(torch.zeros(b, 0, dtype=torch.long), [0] * b, ["none"] * b)
+        active = run.active()
+        sched, frozen = run.sched, run.seeded
+        caps = [k if a else -1 for a in active] if sched.fixed else run.caps(k)
+        props, match, overlap = [[] for _ in range(b)], [0] * b, [0.0] * b
+        if run.ngram is not None:
+            for r in range(b):
+                if active[r]:
+                    props[r], match[r] = run.ngram[r].propose(k)
+                    overlap[r] = run.ngram[r].overlap
+        base = sched.ngram_prefix(props, match, overlap) if run.ngram is not None else [[0.0]] * b
+        calib = sched.eagle_calib[run.mode]
+        curve = self.cost.curve(b, k, frozen)
+        plain = sum(c >= 0 for c in caps) / curve[0]  # what the time would earn in plain steps
+        rate = plain if frozen else max(plain, run.rate())
+        plan = DraftPlan(k, curve, self.cost.step(b, frozen), rate, base, caps, calib.table(), sched.fixed)
+        eagle, prefix = None, None
+        if self.feeder is not None and sched.consult_eagle():
+            seed = int(torch.randint(2**31 - 1, (1,), generator=run.gen)) if run.mode == "sample" else None
+            eagle = self.feeder.draft(run.feeds, run.toks, k, run.temperature, seed, plan)
+            run.feeds = []
+            prefix = []
+            for conf in eagle.conf.tolist():
+                pref, cum = [0.0], 1.0
+                for c in conf:
+                    cum *= calib(c)
+                    pref.append(pref[-1] + cum)
+                prefix.append(pref)
+            run.stats.bus_s += eagle.bus_s
+        elif self.feeder is not None and len(run.feeds) >= 8:  # keep the bus drained while EAGLE-3 rests
+            run.stats.bus_s += self.feeder.draft(run.feeds, run.toks, 0, run.temperature, None, None).bus_s
+            run.feeds = []
+        n_eagle = eagle.tokens.shape[1] if eagle is not None else 0
+        choice = sched.choose(plan, prefix, props, n_eagle)
+        if eagle is not None:
+            sched.consulted("eagle" in choice.methods)
+        return self._assemble(run, choice, eagle, props, match, overlap)
+
+    def _assemble(self, run: Run, choice, eagle: Drafts | None, props: list[list[int]], match: list[int],  # noqa: ANN001
+                  overlap: list[float]) -> RoundDrafts:
+        b, n = run.b, choice.length - 1
+        tokens = torch.zeros(b, n, dtype=torch.long)
+        ids = q = None
+        sampled = [False] * b
+        use_eagle = eagle is not None and "eagle" in choice.methods
+        if use_eagle:
+            s = min(n, eagle.tokens.shape[1])
+            tokens[:, :s] = eagle.tokens[:, :s].cpu()
+            ids = torch.zeros(b, n, dtype=torch.long)
+            ids[:, :s] = eagle.ids[:, :s].cpu()
+            if eagle.q is not None:
+                q = torch.zeros(b, n, eagle.q.shape[-1], dtype=eagle.q.dtype, device=eagle.q.device)
+                q[:, :s] = eagle.q[:, :s]
+                sampled = [m == "eagle" for m in choice.methods]
+        for r, m in enumerate(choice.methods):
+            if m == "ngram":
+                p = props[r][: choice.k_rows[r]]
+                tokens[r, : len(p)] = torch.tensor(p, dtype=torch.long)
+        return RoundDrafts(tokens, choice.k_rows, choice.methods, ids, q, sampled, eagle, props, match, overlap)
+
+    def _forward(self, run: Run, drafts: RoundDrafts) -> torch.Tensor:
+        inp, positions, mask = run.inputs(drafts.tokens)
+        with self._context("verify", positions):
+            return self.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
+                               use_cache=True).logits
+
+    def _accept(self, run: Run, drafts: RoundDrafts, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        dev = logits.device
+        k_rows = torch.tensor(drafts.k_rows, device=dev)
+        tokens = drafts.tokens.to(dev)
+        if run.mode == "greedy":
+            n_acc, nxt = verify_greedy_rows(tokens, k_rows, logits)
+        else:
+            p = target_probs(logits, run.temperature, run.top_k, run.top_p)
+            d2t = self.eagle.draft_to_target_ids().to(dev) if drafts.q is not None else None
+            q = drafts.q.to(dev) if drafts.q is not None else None
+            ids = drafts.ids.to(dev) if drafts.ids is not None else None
+            n_acc, nxt = verify_rows(tokens, k_rows, p, q, ids, d2t, torch.tensor(drafts.sampled or [False] * run.b,
+                                                                                  device=dev), run.gen)
+        return n_acc.tolist(), nxt.tolist()
+
+    def _commit(self, run: Run, drafts: RoundDrafts, n_acc: list[int], nxt: list[int]) -> list[list[int]]:
+        kept = run.commit(n_acc, nxt, drafts.tokens)
+        run.stats.target_forwards += 1
+        step = self.session.step if self.session is not None else 0
+        start, end = run.advance()
+        if self.feeder is not None:
+            run.feeds.append((step, start, end))
+        if run.ngram is not None:
+            for r, t in enumerate(kept):
+                if t:
+                    run.ngram[r].extend(t)
+        if run.streamer is not None and kept[0]:
+            run.streamer.put(torch.tensor(kept[0]))
+        return kept
+
+    def _account(self, run: Run, drafts: RoundDrafts, n_acc: list[int], kept: list[list[int]], tr: float,
+                 tv: float) -> None:
+        """Statistics, calibration of the acceptance estimates, and the cost model's online refinement."""
+        now = time.perf_counter()
+        st = run.stats
+        st.draft_s += tv - tr
+        st.verify_s += now - tv
+        st.rounds += 1
+        length = drafts.tokens.shape[1] + 1
+        st.plain_rounds += length == 1
+        offered = accepted = rows = 0
+        active = [m for m in run.n_eff]
+        for r, m in enumerate(drafts.methods):
+            if active[r] < 0:
+                continue
+            rows += 1
+            kr, n = drafts.k_rows[r], n_acc[r]
+            st.row_rounds += 1
+            st.emitted += len(kept[r])
+            if kr:
+                st.drafted_row_rounds += 1
+                st.eagle_rounds += m == "eagle"
+                st.ngram_rounds += m == "ngram"
+            st.drafted += kr
+            st.accepted += min(n, kr)
+            offered += kr
+            accepted += min(n, kr)
+            for i in range(kr):
+                st.offered_at[i] += 1
+                st.accepted_at[i] += int(n > i)
+            self._calibrate(run, drafts, r, m, kr, n)
+        st.history.append((length, rows, offered, accepted))
+        run.observe_rate(sum(len(t) for t in kept), now - tr)
+        if self._cost is not None and run.b > 0:
+            self.cost.observe_verify(run.b, length, now - tv)
+            if drafts.eagle is not None and drafts.eagle.tokens.shape[1] > 1:
+                steps = drafts.eagle.tokens.shape[1]
+                self.cost.observe_step(run.b, drafts.eagle.compute_s / steps)
+            drafting = drafts.eagle.bus_s + drafts.eagle.compute_s if drafts.eagle is not None else 0.0
+            self.cost.observe_overhead(run.b, max(tv - tr - drafting, 0.0))
+
+    def _calibrate(self, run: Run, drafts: RoundDrafts, r: int, method: str, kr: int, n: int) -> None:
+        """Feed observed outcomes back into the calibrations. Greedy also learns from proposals it did not
+        use: the committed tokens are the target's own choices, so any proposal's prefix can be checked."""
+        sched = run.sched
+        greedy = run.mode == "greedy"
+        # greedy: the accepted drafts and the next token, i.e. the target's own next n + 1 choices
+        truth = run.toks[r, run.last[r] - n: run.last[r] + 1].tolist() if greedy else []
+        if drafts.eagle is not None:
+            calib = sched.eagle_calib[run.mode]
+            conf = drafts.eagle.conf[r].tolist()
+            if greedy:
+                toks = drafts.eagle.tokens[r].tolist()
+                for i in range(min(len(toks), len(truth))):
+                    calib.update(conf[i], toks[i] == truth[i])
+                    if toks[i] != truth[i]:
+                        break
+            elif method == "eagle":
+                for i in range(min(n + 1, kr)):
+                    calib.update(conf[i], i < n)
+        if drafts.props is not None and drafts.props[r]:
+            prop, m, o = drafts.props[r], drafts.match[r], drafts.overlap[r]
+            if greedy:
+                for i in range(min(len(prop), len(truth))):
+                    sched.ngram_calib.update(m, o, i, prop[i] == truth[i])
+                    if prop[i] != truth[i]:
+                        break
+            elif method == "ngram":
+                for i in range(min(n + 1, kr)):
+                    sched.ngram_calib.update(m, o, i, i < n)
 
     def _context(self, phase: str, positions: torch.Tensor | None = None):  # noqa: ANN202
         if self.session is None:
-            return torch.no_grad()
+            return contextlib.nullcontext()
         if phase == "prefill":
             return self.session.context(phase="prefill")
-        b = positions.shape[0]
-        return self.session.context(phase="verify", seq_ids=self._seq_ids, positions=positions,
-                                    valid=torch.ones(b, positions.shape[1], dtype=torch.bool))
-
-    def _feed(self, st: SpecStats, *, start: torch.Tensor, end: torch.Tensor, toks: torch.Tensor) -> None:
-        """Hand the drafter this forward's accepted positions; it reads their features off the bus."""
-        if self.feeder is None:
-            return
-        t0 = time.perf_counter()
-        seq_base, bus_s = self.feeder.feed(self.session.step, start, end, toks)
-        if self._seq_ids is None:
-            self._seq_ids = torch.arange(seq_base, seq_base + start.shape[0])
-        st.bus_s += bus_s
-        st.draft_s += time.perf_counter() - t0 - bus_s
-
-    def _draft(self, toks: torch.Tensor, last_pos: torch.Tensor, temperature: float,
-               gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-        b, k = toks.shape[0], self.k
-        if self.ngram is not None:
-            props = [self.ngram.propose(toks[r, : last_pos[r] + 1].tolist(), k) for r in range(b)]
-            confident = all(len(p) == k and self.ngram.match_length(toks[r, : last_pos[r] + 1].tolist()) >= 2
-                            for r, p in enumerate(props))
-            if self.eagle is None or confident:  # `auto`: a long exact match beats the learned drafter
-                width = max(len(p) for p in props)
-                d = torch.tensor([p + [p[-1] if p else 0] * (width - len(p)) for p in props], dtype=torch.long)
-                q = None
-                if temperature > 0 and width:
-                    q = torch.zeros(b, width, self.target.config.vocab_size)
-                    q.scatter_(2, d[:, :, None], 1.0)  # a point mass: the min(1, p/q) rule becomes p(x)
-                return d.view(b, width), q, True
-        if self.eagle is None:
-            return torch.zeros(b, 0, dtype=torch.long), None, False
-        seed = int(torch.randint(2**31 - 1, (1,), generator=gen)) if temperature > 0 else None
-        drafts, q = self.feeder.draft(k, temperature, seed)
-        return drafts, q, False
+        return self.session.context(phase="verify", positions=positions,
+                                    valid=torch.ones(1, 1, dtype=torch.bool))
 
     @staticmethod
-    def _choose(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                gen: torch.Generator | None) -> torch.Tensor:
-        if temperature <= 0:
+    def _choose(run: Run, logits: torch.Tensor) -> torch.Tensor:
+        if run.mode == "greedy":
             return logits.argmax(-1)
-        p = target_probs(logits, temperature, top_k, top_p)
-        return torch.multinomial(p.view(-1, p.shape[-1]), 1, generator=gen).view(p.shape[:-1])
-
-    @staticmethod
-    def _sequences(input_ids: torch.Tensor, toks: torch.Tensor, lens: torch.Tensor, emitted: torch.Tensor,
-                   pad: int | None) -> torch.Tensor:
-        """Like `generate`: the (padded) prompt, then new tokens, padded after a row finishes."""
-        width = int(emitted.max())
-        out = torch.full((input_ids.shape[0], width), pad if pad is not None else 0, dtype=torch.long)
-        for r in range(input_ids.shape[0]):
-            out[r, : emitted[r]] = toks[r, lens[r]: lens[r] + emitted[r]]
-        return torch.cat([input_ids, out], 1)
+        p = target_probs(logits, run.temperature, run.top_k, run.top_p)
+        return torch.multinomial(p, 1, generator=run.gen).squeeze(-1)

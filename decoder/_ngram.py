@@ -2,8 +2,15 @@
 
     NgramDrafter(max_ngram=3).propose([5, 6, 7, 9, 5, 6], k=3)  # -> [7, 9, 5]
 
+    index = NgramDrafter().index(prompt_ids)      # incremental, one per batch row
+    index.extend(new_ids)
+    drafts, match = index.propose(k)              # match = suffix-match length (0: nothing)
+
 Needs only token ids (no features): the cheapest subscriber of the loop. Drafts are
-deterministic, so sampling verification uses the point-mass rule.
+deterministic, so sampling verification uses the point-mass rule. The loop keeps one
+`NgramIndex` per row: a dict from each n-gram to the position after its latest
+occurrence, updated as tokens are committed, so a proposal is O(max_ngram) instead of a
+scan over the whole sequence.
 """
 
 from __future__ import annotations
@@ -17,22 +24,62 @@ class NgramDrafter:
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens; fewer (or none) when no earlier match exists."""
-        n_tok = len(tokens)
-        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
-            tail = tokens[n_tok - n:]
-            # most recent earlier occurrence wins: it is the likeliest continuation
-            for start in range(n_tok - n - 1, -1, -1):
-                if tokens[start:start + n] == tail:
-                    follow = tokens[start + n:start + n + k]
-                    if follow:
-                        return follow
-        return []
+        idx = self.index(tokens)
+        return idx.propose(k)[0]
 
     def match_length(self, tokens: list[int]) -> int:
         """Length of the longest suffix n-gram seen earlier (0 if none): a cheap confidence signal."""
-        n_tok = len(tokens)
-        for n in range(min(self.max_ngram, n_tok - 1), 0, -1):
-            tail = tokens[n_tok - n:]
-            if any(tokens[s:s + n] == tail for s in range(n_tok - n - 1, -1, -1)):
-                return n
-        return 0
+        return NgramIndex(tokens, self.max_ngram, 1).propose(1)[1]
+
+    def index(self, tokens: list[int], prompt_len: int | None = None) -> NgramIndex:
+        return NgramIndex(tokens, self.max_ngram, self.min_ngram, prompt_len)
+
+
+class NgramIndex:
+    """Latest occurrence of every 1..max_ngram-gram of one growing sequence.
+
+    `propose(k)` returns (drafts, match length): the tokens that followed the most recent
+    earlier occurrence of the longest suffix n-gram. `overlap` is the share of generated
+    tokens whose trigram (or shorter, at the start) already occurs in the prompt: text that
+    copies its prompt is where prompt lookup pays.
+    """
+
+    def __init__(self, tokens: list[int], max_ngram: int = 3, min_ngram: int = 1,
+                 prompt_len: int | None = None) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.toks: list[int] = []
+        self.last: dict[tuple[int, ...], int] = {}  # n-gram -> index just after its latest occurrence
+        self.prompt_len = len(tokens) if prompt_len is None else prompt_len
+        self.in_prompt: set[tuple[int, ...]] = set()
+        self.copied = 0
+        self.generated = 0
+        self.extend(tokens)
+
+    def extend(self, new: list[int]) -> None:
+        toks, last, top = self.toks, self.last, self.max_ngram
+        for t in new:
+            # n-grams ending at the current last token get their follower now: only completed
+            # occurrences go into the index, so the suffix never matches itself.
+            end = len(toks)
+            for n in range(1, min(top, end) + 1):
+                last[tuple(toks[end - n:end])] = end
+            toks.append(t)
+            if end < self.prompt_len:
+                for n in range(1, min(top, end + 1) + 1):
+                    self.in_prompt.add(tuple(toks[end + 1 - n:end + 1]))
+            else:
+                self.generated += 1
+                gram = tuple(toks[max(0, end + 1 - top):end + 1])
+                self.copied += gram in self.in_prompt
+
+    @property
+    def overlap(self) -> float:
+        return self.copied / self.generated if self.generated else 0.0
+
+    def propose(self, k: int) -> tuple[list[int], int]:
+        toks, n_tok = self.toks, len(self.toks)
+        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            at = self.last.get(tuple(toks[n_tok - n:]))
+            if at is not None:
+                return toks[at:at + k], n
+        return [], 0

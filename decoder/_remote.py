@@ -1,26 +1,36 @@
 """Run the drafter in another process: features reach it over the probe bus, drafts come back
 over a REQ/REP socket.
 
-    python -m decoder --bind tcp://127.0.0.1:5600 --model default --drafter default   # process A
-    spec = SpeculativeDecoder(model, RemoteEagle("tcp://127.0.0.1:5600"), k=5)              # process B
+    probebus serve-drafter --bind tcp://127.0.0.1:5600 --model default --drafter default   # process A
+    spec = SpeculativeDecoder(model, RemoteEagle("tcp://127.0.0.1:5600"), k=5)                   # process B
+
+    serve_drafter("tcp://127.0.0.1:5600", drafter)   # what serve-drafter runs, given a loaded, bound drafter
 
 Messages are a JSON header frame plus raw little-endian array frames (dtype and shape in
 the header); nothing is pickled. The server holds an `EagleFeeder` subscribed to the
 loop's probe session, so the only per-round traffic on this socket is small: row
-bounds and token ids in, k draft ids (and q when sampling) out.
+bounds and token ids in, draft ids and confidences (and q when sampling) out. Both
+sides implement the same `Feeder` protocol, and the stopping rule travels as a
+`DraftPlan` in the JSON header, so the remote drafter stops where a local one would.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 import zmq
 
+from ._eagle import Eagle3Drafter
+from ._feeder import Drafts, EagleFeeder, Feed
+from ._sched import DraftPlan
+
 
 def _pack(header: dict, arrays: list[torch.Tensor]) -> list[bytes]:
+    arrays = [a.detach().cpu() if a.dtype in (torch.int64, torch.bool) else a.detach().float().cpu() for a in arrays]
     header = dict(header, arrays=[{"dtype": str(a.dtype).removeprefix("torch."), "shape": list(a.shape)}
                                   for a in arrays])
     return [json.dumps(header).encode()] + [a.contiguous().numpy().tobytes() for a in arrays]
@@ -41,7 +51,7 @@ def _unpack(frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
 
 
 class RemoteEagle:
-    """A proxy with EagleFeeder's interface, talking to `serve_drafter` in another process."""
+    """The `Feeder` protocol, talking to `serve_drafter` in another process."""
 
     def __init__(self, address: str, timeout: float = 60.0) -> None:
         self.sock = zmq.Context.instance().socket(zmq.REQ)
@@ -67,13 +77,21 @@ class RemoteEagle:
     def prepare(self, batch: int, max_len: int) -> None:
         self._call({"op": "prepare", "batch": batch, "max_len": max_len})
 
-    def feed(self, step: int, start: torch.Tensor, end: torch.Tensor, toks: torch.Tensor) -> tuple[int, float]:
-        reply, _ = self._call({"op": "feed", "step": step}, [start, end, toks])
-        return reply["seq_base"], reply["bus_s"]
-
-    def draft(self, k: int, temperature: float, seed: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _, out = self._call({"op": "draft", "k": k, "temperature": temperature, "seed": seed})
-        return out[0], (out[1] if len(out) > 1 else None)
+    def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,
+              plan: DraftPlan | None = None) -> Drafts:
+        t0 = time.perf_counter()
+        b = toks.shape[0]
+        steps = torch.tensor([f[0] for f in feeds], dtype=torch.long)
+        starts = torch.stack([f[1] for f in feeds]) if feeds else torch.zeros(0, b, dtype=torch.long)
+        ends = torch.stack([f[2] for f in feeds]) if feeds else torch.zeros(0, b, dtype=torch.long)
+        width = int(ends.max()) + 2 if feeds else 1
+        header = {"op": "draft", "k": k, "temperature": temperature, "seed": seed,
+                  "plan": plan.to_dict() if plan is not None else None}
+        reply, out = self._call(header, [steps, starts, ends, toks[:, :width]])
+        q = out[3] if len(out) > 3 else None
+        total = time.perf_counter() - t0
+        # the socket's round trip counts as bus time: it is what running the drafter elsewhere costs
+        return Drafts(out[0], out[1], out[2], q, total - reply["compute_s"], reply["compute_s"])
 
     def close(self) -> None:
         self._call({"op": "unsubscribe"})
@@ -83,15 +101,8 @@ class RemoteEagle:
         self.sock.close()
 
 
-def serve_drafter(bind: str, model: str, drafter: str) -> None:
-    """Serve one loop at a time until told to exit."""
-    from probebus._load import load_model, resolve_drafter
-
-    from ._checkpoint import load_drafter
-    from ._feeder import EagleFeeder
-
-    target, _ = load_model(model, need_tokenizer=False)
-    d = load_drafter(resolve_drafter(drafter), target)
+def serve_drafter(bind: str, drafter: Eagle3Drafter) -> None:
+    """Serve one loop at a time until told to exit; `drafter` is loaded and bound to its target."""
     sock = zmq.Context.instance().socket(zmq.REP)
     sock.bind(bind)
     feeder: EagleFeeder | None = None
@@ -99,20 +110,21 @@ def serve_drafter(bind: str, model: str, drafter: str) -> None:
         try:
             header, arrays = _unpack(sock.recv_multipart())
             op, out, reply = header.get("op"), [], {}
-            if op in ("prepare", "feed", "draft") and feeder is None:
+            if op in ("prepare", "draft") and feeder is None:
                 raise RuntimeError(f"{op!r} before 'subscribe': no loop is connected to this drafter")
             if op == "hello":
-                reply = {"config": {"aux_layer_ids": d.config.aux_layer_ids}}
+                reply = {"config": {"aux_layer_ids": drafter.config.aux_layer_ids}}
             elif op == "subscribe":
-                feeder = EagleFeeder(d, header["endpoint"])
+                feeder = EagleFeeder(drafter, header["endpoint"])
             elif op == "prepare":
                 feeder.prepare(header["batch"], header["max_len"])
-            elif op == "feed":
-                seq_base, bus_s = feeder.feed(header["step"], *arrays)
-                reply = {"seq_base": seq_base, "bus_s": bus_s}
             elif op == "draft":
-                drafts, q = feeder.draft(header["k"], header["temperature"], header["seed"])
-                out = [drafts] + ([q] if q is not None else [])
+                steps, starts, ends, toks = arrays
+                feeds = [(int(s), starts[i], ends[i]) for i, s in enumerate(steps.tolist())]
+                plan = DraftPlan(**header["plan"]) if header.get("plan") else None
+                d = feeder.draft(feeds, toks, header["k"], header["temperature"], header["seed"], plan)
+                out = [d.tokens, d.ids, d.conf] + ([d.q] if d.q is not None else [])
+                reply = {"compute_s": d.compute_s}
             elif op == "unsubscribe":
                 if feeder is not None:
                     feeder.close()

@@ -39,6 +39,8 @@ class TrainConfig:
     draft_vocab: int = 2048
     seed: int = 0
     save_every: int = 250
+    holdout: float = 0.05  # share of recorded sequences kept out of training for held-out acceptance
+    eval_k: int = 5
 
 
 def load_sequences(recording: str | Path, aux_layer_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -94,30 +96,71 @@ def ttt_mask(length: int, step: int) -> torch.Tensor:
     return torch.cat(blocks, 1)
 
 
-def ttt_loss(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, feats: torch.Tensor,
-             targets: torch.Tensor, cfg: TrainConfig) -> tuple[torch.Tensor, list[float]]:
-    """toks [B, L+2], feats [B, L, 3H], targets [B, L] draft ids (-100 = not in the draft vocab)."""
+def ttt_chain(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, feats: torch.Tensor, steps: int):
+    """Yield (j, h, normed h, logits) for unrolled steps j = 0..steps-1 over toks [B, L+2], feats [B, L, 3H].
+
+    Step j at position t continues the chain that started at t - j, fed its own previous
+    output: exactly what inference sees after j accepted drafts.
+    """
     b, length = feats.shape[:2]
     layer = drafter.midlayer
     with torch.no_grad():
         emb = embed(toks[:, 1: length + 1])
     pos = torch.arange(length).expand(b, length)
     hidden = drafter.fuse(feats)
-    ks, vs, accs = [], [], []
-    total = feats.new_zeros(())
-    for j in range(cfg.ttt_steps):
+    emb = emb.to(hidden.dtype)
+    ks, vs = [], []
+    for j in range(steps):
         q, k, v, res = layer.project(emb, hidden, pos)
         ks.append(k)
         vs.append(v)
         h = layer.attend(q, torch.cat(ks, 2), torch.cat(vs, 2), ttt_mask(length, j)[None], res)
-        logits = drafter.lm_head(drafter.norm(h))
+        hn = drafter.norm(h)
+        yield j, h, hn, drafter.lm_head(hn)
+        hidden = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # feature at t = own output at t-1
+
+
+def ttt_loss(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, feats: torch.Tensor,
+             targets: torch.Tensor, cfg: TrainConfig) -> tuple[torch.Tensor, list[float]]:
+    """toks [B, L+2], feats [B, L, 3H], targets [B, L] draft ids (-100 = not in the draft vocab)."""
+    accs = []
+    total = feats.new_zeros(())
+    for j, _, _, logits in ttt_chain(drafter, embed, toks, feats, cfg.ttt_steps):
         tgt = targets.clone()
         tgt[:, :j] = -100  # no chain can start before position 0
         total = total + cfg.decay ** j * F.cross_entropy(logits.transpose(1, 2), tgt, ignore_index=-100)
         ok = tgt != -100
         accs.append(float((logits.argmax(-1)[ok] == tgt[ok]).float().mean()) if ok.any() else 0.0)
-        hidden = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # feature at t = own output at t-1
     return total, accs
+
+
+@torch.no_grad()
+def heldout_acceptance(drafter: Eagle3Drafter, embed: nn.Embedding, seqs: list[tuple[torch.Tensor, torch.Tensor]],
+                       k: int = 5, window: int = 128) -> dict:
+    """Acceptance by draft position on held-out sequences: the share of chains whose first i+1 drafts all
+    equal the recorded tokens (the target's greedy continuation where the recording is its own output)."""
+    d2t = drafter.draft_to_target_ids()
+    hits = torch.zeros(k)
+    chains = 0
+    for toks, feats in seqs:
+        n = len(toks)
+        for s in range(0, n - 2, window):
+            length = min(window, n - 2 - s)
+            if length < 2:
+                break
+            t_win = toks[s: s + length + 2][None]
+            alive = torch.ones(length, dtype=torch.bool)
+            chains += length
+            for j, _, _, logits in ttt_chain(drafter, embed, t_win, feats[s: s + length][None], k):
+                pos = torch.arange(j, length)
+                hit = d2t[logits[0, pos].argmax(-1)] == t_win[0, pos + 2]
+                nxt = torch.zeros_like(alive)
+                nxt[pos - j] = alive[pos - j] & hit
+                alive = nxt
+                hits[j] += alive.sum()
+    acc = (hits / max(chains, 1)).tolist()
+    return {"sequences": len(seqs), "chains": chains, "acceptance": [round(a, 4) for a in acc],
+            "tau": round(1 + sum(acc), 3)}
 
 
 def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg: TrainConfig | None = None, *,
@@ -133,6 +176,11 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
     seqs = [s for s in seqs if len(s[0]) >= 8]
     if not seqs:
         raise ValueError(f"{recording}: no complete sequence of at least 8 tokens")
+    # a fixed, seeded choice of held-out sequences (the same on resume)
+    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    n_hold = int(len(seqs) * cfg.holdout) if len(seqs) >= 4 else 0
+    heldout = [seqs[i] for i in order[:n_hold]]
+    seqs = [seqs[i] for i in sorted(order[n_hold:])]
     ids = draft_vocabulary(seqs, dcfg.vocab_size, cfg.draft_vocab)
     dcfg.draft_vocab_size = len(ids)
     drafter = Eagle3Drafter(dcfg)
@@ -155,8 +203,8 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
     if not pool:  # every sequence is short: train on windows as long as the shortest allows
         pool, window = seqs, min(len(s[0]) for s in seqs) - 2
     gen = torch.Generator().manual_seed(cfg.seed + start)
-    metrics: dict = {"sequences": len(seqs), "tokens": int(sum(len(s[0]) for s in seqs)), "window": window,
-                     "resumed_from": start}
+    metrics: dict = {"sequences": len(seqs), "heldout_sequences": len(heldout),
+                     "tokens": int(sum(len(s[0]) for s in seqs)), "window": window, "resumed_from": start}
     t0 = time.perf_counter()
     bar = _Bar(cfg.steps, start) if progress else None
     for step in range(start, cfg.steps):
@@ -178,6 +226,10 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
     if bar:
         bar.close()
     metrics["seconds"] = time.perf_counter() - t0
+    drafter.eval()
+    if heldout:
+        drafter.bind_target(target)
+        metrics["heldout"] = heldout_acceptance(drafter, embed, heldout, cfg.eval_k, window)
     save_drafter(drafter, out, target_name=target_name)
     return metrics
 

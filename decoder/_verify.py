@@ -2,6 +2,7 @@
 
     p = target_probs(logits, temperature=0.8, top_k=50, top_p=0.95)  # [..., V]
     ok, repl = accept(p_at_x, q_or_None, x)                           # one draft position, batched
+    n, nxt = verify_rows(drafts, k_rows, p, q_draft, draft_ids, d2t_ids, sampled)  # what the loop runs
 
 Greedy keeps the longest prefix equal to the target's argmax. Sampling uses the
 speculative-sampling rule, which leaves the output distribution exactly p:
@@ -80,3 +81,58 @@ def verify_sampling(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | Non
         nxt = torch.where(stop, repl, nxt)
         alive &= ok
     return n, nxt
+
+
+def verify_greedy_rows(drafts: torch.Tensor, k_rows: torch.Tensor,
+                       target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy check when row r offered only its first k_rows[r] drafts (the rest is padding)."""
+    best = target_logits.argmax(-1)  # [B, L]
+    offered = torch.arange(drafts.shape[1], device=drafts.device)[None, :] < k_rows[:, None]
+    n = ((drafts == best[:, :-1]) & offered).int().cumprod(-1).sum(-1)
+    return n, best.gather(1, n[:, None]).squeeze(1)
+
+
+def verify_rows(drafts: torch.Tensor, k_rows: torch.Tensor, p: torch.Tensor, q_draft: torch.Tensor | None,
+                draft_ids: torch.Tensor | None, d2t_ids: torch.Tensor | None, sampled: torch.Tensor,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling rule for a batch whose rows drafted differently; (n accepted [B], next token [B]).
+
+    drafts [B, n] target ids, of which row r offers the first k_rows[r]; p [B, n+1, V];
+    rows with sampled[r] drew draft_ids[r, i] from q_draft[r, i] over the draft vocabulary
+    (target id d2t_ids[j] for draft id j); the other rows' drafts are deterministic (point
+    mass). All uniforms are drawn at once: the first failure index has the distribution of
+    the sequential rule, and only that position's residual (or the bonus p) is sampled, so
+    the full-vocabulary q is built for at most one position per row.
+    """
+    b, n = drafts.shape
+    rows = torch.arange(b, device=drafts.device)
+    if n == 0:
+        return torch.zeros(b, dtype=torch.long, device=drafts.device), \
+            torch.multinomial(p[:, 0], 1, generator=generator).squeeze(-1)
+    px = p[:, :n].gather(2, drafts[:, :, None]).squeeze(-1)  # [B, n]
+    u = torch.rand((b, n), generator=generator, device=p.device)
+    if q_draft is not None and bool(sampled.any()):
+        qx = q_draft.gather(2, draft_ids[:, :, None]).squeeze(-1)
+        qx = torch.where(sampled[:, None], qx, torch.ones_like(qx))
+        ok = u * qx < px  # u < min(1, p/q) without dividing by a zero q; point mass: u < p(x)
+    else:
+        ok = u < px
+    ok &= torch.arange(n, device=drafts.device)[None, :] < k_rows[:, None]
+    n_acc = ok.int().cumprod(-1).sum(-1)
+    pn = p[rows, n_acc]  # the distribution at the stop position: bonus, or residual after a rejection
+    rejected = n_acc < k_rows
+    if bool(rejected.any()):
+        at = n_acc.clamp(max=n - 1)
+        x = drafts[rows, at]
+        res = pn.clone()
+        det = rejected & ~sampled
+        res[rows[det], x[det]] = 0.0
+        smp = rejected & sampled
+        if bool(smp.any()):
+            q_full = torch.zeros_like(pn[smp])
+            q_full[:, d2t_ids] = q_draft[rows[smp], at[smp]].to(pn.dtype)
+            res[smp] = (pn[smp] - q_full).clamp_min(0.0)
+        mass = res.sum(-1, keepdim=True)
+        # zero residual mass only when p == q (or p is the point mass on x): x was then accepted anyway
+        pn = torch.where(rejected[:, None] & (mass > 0), res / mass.clamp_min(1e-30), pn)
+    return n_acc, torch.multinomial(pn, 1, generator=generator).squeeze(-1)

@@ -1,8 +1,11 @@
-"""`probebus generate` and `probebus train-drafter`: the decoder package on the command line.
+"""`probebus generate`, `probebus train-drafter` and `probebus serve-drafter`: the decoder package on the command line.
 
-    probebus generate --model default --drafter default --prompt "def parse(" --max-new-tokens 64
-    probebus generate --model default --drafter ngram --prompts p.jsonl --json
+    probebus generate --model default --prompt "def parse(" --max-new-tokens 64     # scheduled EAGLE-3
+    probebus generate --model default --drafter auto --prompts p.jsonl --json
     probebus train-drafter --model default --recording rec/ --out my-drafter/
+    probebus serve-drafter --bind tcp://127.0.0.1:5600 --model default             # decoder.RemoteEagle(addr)
+
+Bad input is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -13,77 +16,200 @@ import sys
 
 import torch
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UsageError(Exception):
+    """One line for the user; the command exits 2."""
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="default (the shipped model) | PATH (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="weights dtype; auto = the checkpoint's, float32 on a CPU without native half precision "
+                   "(default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps (default: %(default)s)")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text, optionally with speculative decoding",
-                       description="Generate from a model with a drafter: default (the shipped EAGLE-3 head), "
-                       "PATH (an EAGLE-3 folder in either public layout), ngram (prompt lookup), auto "
-                       "(EAGLE-3 or n-gram, chosen per round) or none. Output equals plain decoding.")
-    p.add_argument("--model", default="default", help="default | PATH (default: %(default)s)")
-    p.add_argument("--drafter", default="default", help="default | PATH | ngram | auto | none (default: %(default)s)")
+                       description="Generate from a model with a drafter: default (the EAGLE-3 head shipped with the "
+                       "model), PATH (an EAGLE-3 folder in either public layout), ngram (prompt lookup), auto (EAGLE-3 "
+                       "and n-gram) or none. A scheduler picks per round and row the method and draft length from "
+                       "measured costs and acceptance estimates, and takes plain steps when nothing pays. Greedy "
+                       "output equals plain decoding; sampling follows the target's distribution exactly.")
+    _common(p)
+    p.add_argument("--drafter", default="default",
+                   help="default | PATH | ngram | auto | none (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
-    src.add_argument("--prompts", help="JSON Lines with a 'prompt' field (or a text file: one prompt per line)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--k", type=int, default=5, help="draft tokens per round (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--seed", type=int, default=None)
+    src.add_argument("--prompts", metavar="FILE", help="JSON Lines with a 'prompt' field (or a text file: one "
+                     "prompt per line)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt, >= 1 "
+                   "(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only")
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with this much mass")
+    p.add_argument("--k", type=int, default=5, help="longest draft per round, 1..16 (default: %(default)s)")
+    p.add_argument("--fixed", action="store_true", help="draft exactly --k tokens every round (no scheduling)")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts per batch, >= 1 (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="random seed: same seed, same output")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt: text, token_ids, stats")
+    p.add_argument("--stream", dest="stream", action="store_true", default=None,
+                   help="print tokens as they are accepted (default when stdout is a terminal)")
+    p.add_argument("--no-stream", dest="stream", action="store_false", help="print each text when it is complete")
+    p.add_argument("--endpoint", default=None, help="bind the drafter's probe session here (e.g. "
+                   "ipc:///tmp/pb.sock or tcp://127.0.0.1:5555) so `probebus top ENDPOINT` can watch it")
+    p.add_argument("--plot", metavar="DIR", default=None, help="write acceptance by draft position and by round "
+                   "as PNGs into DIR (needs the plot extra: pip install 'probebus[plot]')")
+    p.add_argument("--refresh-cost", action="store_true", help="measure this machine's cost curve again instead "
+                   "of using the cached one")
     p.set_defaults(func=_cmd_generate)
 
     t = sub.add_parser("train-drafter", help="train an EAGLE-3 drafter from a recording",
                        description="Train an EAGLE-3 head from an Arrow recording made with `probebus record` "
                        "(resid_pre of the feature layers; see `probebus sites MODEL`). Resumes from OUT if a "
-                       "training state is there.")
-    t.add_argument("--model", default="default")
-    t.add_argument("--recording", required=True, help="folder written by probebus record")
-    t.add_argument("--out", required=True)
-    t.add_argument("--steps", type=int, default=1500)
-    t.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test steps (>= 3)")
-    t.add_argument("--draft-vocab", type=int, default=2048)
-    t.add_argument("--window", type=int, default=128)
-    t.add_argument("--batch", type=int, default=8)
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--no-resume", action="store_true")
+                       "training state is there. Holds out some sequences and reports acceptance by draft position "
+                       "on them.")
+    _common(t)
+    t.add_argument("--recording", required=True, metavar="DIR", help="folder written by probebus record")
+    t.add_argument("--out", required=True, metavar="DIR", help="where the drafter (speculators layout) is written")
+    t.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: %(default)s)")
+    t.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test steps (default: "
+                   "%(default)s)")
+    t.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary: the most frequent recorded "
+                   "tokens (default: %(default)s)")
+    t.add_argument("--window", type=int, default=128, help="tokens per training window (default: %(default)s)")
+    t.add_argument("--batch", type=int, default=8, help="windows per step (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
+    t.add_argument("--holdout", type=float, default=0.05, help="share of sequences held out for the acceptance "
+                   "report (default: %(default)s)")
+    t.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a training state")
     t.set_defaults(func=_cmd_train)
 
+    s = sub.add_parser("serve-drafter", help="serve an EAGLE-3 drafter to a loop in another process",
+                       description="Load a drafter and serve it over REQ/REP; it reads the target's features from the "
+                       "loop's probe bus. In the loop: SpeculativeDecoder(model, decoder.RemoteEagle(ADDR)).")
+    _common(s)
+    s.add_argument("--bind", default="tcp://127.0.0.1:5600", help="address to serve on (default: %(default)s)")
+    s.add_argument("--drafter", default="default", help="default | PATH (default: %(default)s)")
+    s.set_defaults(func=_cmd_serve)
 
-def make_decoder(model: torch.nn.Module, drafter: str, k: int):  # noqa: ANN201 - a SpeculativeDecoder
-    from decoder import NgramDrafter, SpeculativeDecoder, load_drafter
-    from probebus._load import resolve_drafter
 
+def _fail(cmd: str, exc: BaseException | str) -> int:
+    print(f"probebus {cmd}: {exc}", file=sys.stderr)
+    return 2
+
+
+def _device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name!r} is not a device; use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available on this machine")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("--device mps: MPS is not available on this machine")
+    return dev
+
+
+def _cpu_has_half() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def load_target(args: argparse.Namespace, need_tokenizer: bool = True):  # noqa: ANN201
+    """(model, tokenizer) with --dtype and --device applied."""
+    from probebus._load import load_model
+
+    dev = _device(args.device)
+    dtype = DTYPES.get(args.dtype)
+    model, tok = load_model(args.model, dtype=dtype or "auto", need_tokenizer=need_tokenizer)
+    if dtype is None and dev.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16) and not _cpu_has_half():
+        model = model.float()  # half precision on a CPU without native support is several times slower
+    return model.to(dev), tok
+
+
+def make_decoder(model: torch.nn.Module, drafter: str, k: int, *, fixed: bool = False, endpoint: str | None = None,
+                 refresh_cost: bool = False):  # noqa: ANN201 - a SpeculativeDecoder
+    """The decoder for a --drafter value; raises DrafterError for a bad drafter."""
+    from decoder import CostModel, NgramDrafter, SpeculativeDecoder, load_drafter
+
+    schedule = "fixed" if fixed else "auto"
+    cost = CostModel.for_target(model, refresh=refresh_cost)
     if drafter == "none":
         return SpeculativeDecoder(model, None, k=k)
+    if endpoint is not None and drafter == "ngram":
+        raise UsageError("--endpoint: the n-gram drafter runs without a probe session; use --drafter default or "
+                         "auto to get one")
     if drafter == "ngram":
-        return SpeculativeDecoder(model, NgramDrafter(), k=k)
+        return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
     if drafter == "auto":
-        return SpeculativeDecoder(model, "auto", eagle=load_drafter(resolve_drafter("default"), model), k=k)
-    return SpeculativeDecoder(model, load_drafter(resolve_drafter(drafter), model), k=k)
+        if fixed:
+            raise UsageError("--fixed drafts with one method; give --drafter default, PATH or ngram")
+        return SpeculativeDecoder(model, "auto", eagle=load_drafter("default", model), k=k, endpoint=endpoint,
+                                  cost=cost)
+    return SpeculativeDecoder(model, load_drafter(drafter, model), k=k, schedule=schedule, endpoint=endpoint,
+                              cost=cost)
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if not 1 <= args.k <= 16:
+        raise UsageError(f"--k must be between 1 and 16, got {args.k}")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.endpoint is not None and args.drafter == "none":
+        raise UsageError("--endpoint: --drafter none runs without a probe session; use --drafter default or auto")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from decoder import DrafterError
-    from probebus._load import load_model
     from probebus._prompts import read_prompts
 
-    prompts = read_prompts(args.prompt, args.prompts)
-    model, tok = load_model(args.model)
     try:
-        spec = make_decoder(model, args.drafter, args.k)
-    except (DrafterError, FileNotFoundError) as exc:
-        print(f"probebus generate: {exc}", file=sys.stderr)
-        return 2
+        _check_generate(args)
+        prompts = read_prompts(args.prompt, args.prompts)
+        if args.plot:
+            import importlib.util
+
+            if importlib.util.find_spec("matplotlib") is None:
+                raise UsageError("--plot needs matplotlib: pip install 'probebus[plot]'")
+        model, tok = load_target(args)
+        spec = make_decoder(model, args.drafter, args.k, fixed=args.fixed, endpoint=args.endpoint,
+                            refresh_cost=args.refresh_cost)
+    except (UsageError, DrafterError, FileNotFoundError) as exc:
+        return _fail("generate", exc)
+    if spec.endpoint is not None:
+        print(f"probe session: {spec.endpoint} (watch: probebus top {spec.endpoint})", file=sys.stderr)
+    tty = sys.stdout.isatty()
+    stream = (tty if args.stream is None else args.stream) and not args.json and args.batch_size == 1
+    bold, plain = ("\033[1m", "\033[0m") if tty else ("", "")
     eos = model.generation_config.eos_token_id
+    all_stats = []
     with spec:
         for i in range(0, len(prompts), args.batch_size):
             chunk = prompts[i: i + args.batch_size]
             enc = tok(chunk, return_tensors="pt", padding=True)
+            streamer = None
+            if stream:
+                print(chunk[0] + bold, end="", flush=True)
+                streamer = _TextStream(tok)
             out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
-                                pad_token_id=tok.pad_token_id, seed=args.seed)
+                                pad_token_id=tok.pad_token_id, seed=args.seed, streamer=streamer)
+            all_stats.append(out.stats)
             stats = out.stats.as_dict()
             for r, prompt in enumerate(chunk):
                 new = out.sequences[r, enc.input_ids.shape[1]:].tolist()
@@ -91,28 +217,92 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     new = [t for t in new if t != tok.pad_token_id]
                 text = tok.decode(new, skip_special_tokens=True)
                 if args.json:
-                    print(json.dumps({"prompt": prompt, "text": text, "token_ids": new, "stats": stats}))
+                    print(json.dumps({"prompt": prompt, "text": text, "token_ids": new, "stats": stats}), flush=True)
+                elif stream:
+                    print(plain, flush=True)
                 else:
-                    print(f"{prompt}\033[1m{text}\033[0m")
+                    print(f"{prompt}{bold}{text}{plain}", flush=True)
             if not args.json:
-                print(f"[{args.drafter}] tau {stats['tau']:.2f}, {stats['tokens_per_forward']:.2f} tokens/forward, "
-                      f"{stats['tokens_per_s']:.1f} tok/s, acceptance by position "
+                print(f"[{args.drafter}] {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, "
+                      f"{stats['tokens_per_forward']:.2f} tokens/forward, rounds: {stats['eagle_rounds']} EAGLE-3, "
+                      f"{stats['ngram_rounds']} n-gram, {stats['plain_rounds']} plain; acceptance by position "
                       f"{[round(a, 2) for a in stats['acceptance']]}", file=sys.stderr)
+    if args.plot:
+        from decoder._plot import plot_stats
+
+        for path in plot_stats(all_stats, args.plot, title=f"--drafter {args.drafter}"):
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    from decoder import TrainConfig, train_drafter
-    from probebus._load import load_model
+class _TextStream:
+    """transformers' TextStreamer interface (put/end), printing decoded text as it is accepted."""
 
-    model, _ = load_model(args.model, need_tokenizer=False)
+    def __init__(self, tok) -> None:  # noqa: ANN001
+        from transformers import TextStreamer
+
+        self.inner = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+        self.inner.on_finalized_text = self._write  # type: ignore[method-assign]
+
+    @staticmethod
+    def _write(text: str, stream_end: bool = False) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def put(self, value: torch.Tensor) -> None:
+        self.inner.put(value)
+
+    def end(self) -> None:
+        self.inner.end()
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from decoder import TrainConfig, train_drafter
+
+    rec = Path(args.recording)
+    try:
+        if not rec.is_dir():
+            raise UsageError(f"--recording {rec}: no such folder (make one with probebus record)")
+        if not any(rec.iterdir()):
+            raise UsageError(f"--recording {rec} is empty (make one with probebus record)")
+        if not 0 <= args.holdout < 1:
+            raise UsageError(f"--holdout must be in [0, 1), got {args.holdout}")
+        if args.steps < 1 or args.batch < 1 or args.window < 2 or args.ttt_steps < 1 or args.draft_vocab < 1:
+            raise UsageError("--steps, --batch, --ttt-steps and --draft-vocab must be >= 1 and --window >= 2")
+        model, _ = load_target(args, need_tokenizer=False)
+    except UsageError as exc:
+        return _fail("train-drafter", exc)
     for p in model.parameters():
         p.requires_grad_(False)
     cfg = TrainConfig(steps=args.steps, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, window=args.window,
-                      batch=args.batch, lr=args.lr)
-    metrics = train_drafter(model, args.recording, args.out, cfg, resume=not args.no_resume, target_name=args.model)
-    print(json.dumps({k: metrics[k] for k in ("sequences", "tokens", "resumed_from", "step", "loss", "acc",
-                                                  "seconds")}))
+                      batch=args.batch, lr=args.lr, holdout=args.holdout)
+    try:
+        metrics = train_drafter(model, rec, args.out, cfg, resume=not args.no_resume, target_name=args.model,
+                                progress=sys.stderr.isatty())
+    except (ValueError, FileNotFoundError, KeyError) as exc:  # unreadable, incomplete or foreign recordings
+        return _fail("train-drafter", f"{rec}: {exc}" if str(rec) not in str(exc) else exc)
+    keys = ("sequences", "heldout_sequences", "tokens", "resumed_from", "step", "loss", "acc", "seconds", "heldout")
+    print(json.dumps({k: metrics[k] for k in keys if k in metrics}))
+    held = metrics.get("heldout")
+    if held:
+        print(f"held-out acceptance by draft position ({held['sequences']} sequences): "
+              f"{[round(a, 3) for a in held['acceptance']]}, tau {held['tau']}", file=sys.stderr)
     print(f"drafter written to {args.out} (speculators layout); try: probebus generate --model {args.model} "
           f"--drafter {args.out} --prompt '...'", file=sys.stderr)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from decoder import DrafterError, load_drafter, serve_drafter
+
+    try:
+        model, _ = load_target(args, need_tokenizer=False)
+        drafter = load_drafter(args.drafter, model)
+    except (UsageError, DrafterError) as exc:
+        return _fail("serve-drafter", exc)
+    torch.set_num_threads(1)  # the loop's process needs the cores more
+    print(f"serving drafter {drafter.source} on {args.bind}", file=sys.stderr, flush=True)
+    serve_drafter(args.bind, drafter)
     return 0

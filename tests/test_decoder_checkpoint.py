@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,7 +76,7 @@ def test_both_layouts_load_to_the_same_drafter(tmp_path: Path) -> None:
     assert spec.to_target(torch.tensor([0, 3])).tolist() == [1, 7]
 
 
-def test_mismatches_are_clear_errors(tmp_path: Path) -> None:
+def test_mismatches_are_clear_errors(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     target = _target()
     d = _drafter(target)
     folder = save_drafter(d, tmp_path / "ok")
@@ -92,8 +96,20 @@ def test_mismatches_are_clear_errors(tmp_path: Path) -> None:
         (out / "config.json").write_text(json.dumps(cfg))
         return out
 
-    with pytest.raises(DrafterError, match="names no eagle_aux_hidden_state_layer_ids"):
-        load_drafter(edited("noids", lambda c: c.pop("eagle_aux_hidden_state_layer_ids")), target)
+    # SafeAILab's published heads name no feature layers: EAGLE-3's default (2, L//2, L-3), logged
+    noids = edited("noids", lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
+    with caplog.at_level(logging.INFO, logger="decoder"):
+        assert load_drafter(noids, target).config.aux_layer_ids == [2, 4, 5]
+    assert "using EAGLE-3's default [2, 4, 5]" in caplog.text
+    with pytest.raises(DrafterError, match="names no eagle_aux_hidden_state_layer_ids and a target with 4 layers"):
+        load_drafter(noids, _target(layers=4))
+    bad = edited("corrupt", lambda c: None)
+    (bad / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(DrafterError, match="cannot read the drafter weights"):
+        load_drafter(bad, target)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(DrafterError, match="not valid JSON"):
+        load_drafter(bad, target)
     with pytest.raises(DrafterError, match="lm_head has 48 rows but draft_vocab_size is 64"):
         load_drafter(edited("vocab", lambda c: c.update(draft_vocab_size=64)), target)
     with pytest.raises(DrafterError, match="only 'eagle3' is supported"):
@@ -108,3 +124,30 @@ def test_mismatches_are_clear_errors(tmp_path: Path) -> None:
         load_drafter(tmp_path / "empty")
     with pytest.raises(ValueError, match="wrong target for this drafter"):
         d.bind_target(_target(hidden=96))
+
+
+def test_default_drafter_is_found_next_to_the_target_from_any_directory(tmp_path: Path) -> None:
+    """load_drafter("default", target) finds '<model>-drafter' next to the model folder; the shipped default model
+    finds its drafter from another working directory, without decoder importing probebus."""
+    target = _target()
+    target.save_pretrained(tmp_path / "mymodel")
+    save_drafter(_drafter(target), tmp_path / "mymodel-drafter")
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mymodel")
+    assert load_drafter("default", loaded).source == str((tmp_path / "mymodel-drafter").resolve())
+    (tmp_path / "other").mkdir()
+    other = _target()
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(DrafterError, match="no drafter ships with the target"):
+        load_drafter("default", AutoModelForCausalLM.from_pretrained(tmp_path / "other"))
+    with pytest.raises(DrafterError, match="needs target="):
+        load_drafter("default")
+    code = ("import sys\nfrom transformers import AutoModelForCausalLM\nimport decoder\n"
+            "from probebus.models import resolve_model\n"
+            "m = AutoModelForCausalLM.from_pretrained(resolve_model('default'))\n"
+            "d = decoder.load_drafter('default', m)\nprint(d.source)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith(os.path.join("models", "default-drafter"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from models import PAD, build, left_padded
 
-from decoder import Eagle3Config, Eagle3Drafter, NgramDrafter, SpeculativeDecoder
+from decoder import CostModel, Eagle3Config, Eagle3Drafter, NgramDrafter, SpeculativeDecoder
 
 PROMPTS = [[5, 17, 33, 9, 40, 41], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 8]]
 
@@ -48,7 +48,8 @@ def test_greedy_equals_generate(family: str, batch: int) -> None:
                               eos_token_id=None, pad_token_id=PAD)
     for name, drafter in _drafters(model).items():
         kw = {"eagle": _drafters(model)["eagle"]} if drafter == "auto" else {}
-        with SpeculativeDecoder(model, drafter, k=4, **kw) as spec:
+        schedule = "auto" if drafter == "auto" else "fixed"
+        with SpeculativeDecoder(model, drafter, k=4, schedule=schedule, **kw) as spec:
             out = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
         assert_same_or_near_tie(model, out.sequences, want, mask)
         st = out.stats
@@ -81,3 +82,30 @@ def test_sampling_runs_and_is_reproducible_with_a_seed() -> None:
             outs.append(spec.generate(ids, mask, max_new_tokens=12, temperature=0.8, top_p=0.9, seed=7,
                                       pad_token_id=PAD).sequences)
     assert torch.equal(outs[0], outs[1]) and outs[0].shape == (3, ids.shape[1] + 12)
+
+
+def _flat_cost(batch: int, k: int, ratio: float) -> CostModel:
+    """A cost curve where verifying L tokens costs 1 + ratio * (L - 1) units: the scheduler's decisions become
+    deterministic (the machine's real timings are noise on a shared CPU)."""
+    return CostModel("test", {str(batch): {"verify": [1e-3 * (1 + ratio * i) for i in range(k + 1)],
+                                           "step": 1e-5}}, adapt=False)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_scheduler_greedy_equals_generate_and_follows_costs(batch: int) -> None:
+    model = build("llama", layers=8)
+    ids, mask = left_padded(PROMPTS[:batch])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                              eos_token_id=None, pad_token_id=PAD)
+    eagle = _drafters(model)["eagle"]
+    # verifying more tokens is free: drafting pays, rounds take several tokens (random weights loop)
+    with SpeculativeDecoder(model, "auto", eagle=eagle, k=4, cost=_flat_cost(batch, 4, 0.0)) as spec:
+        cheap = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
+    assert_same_or_near_tie(model, cheap.sequences, want, mask)
+    assert cheap.stats.target_forwards < 24 and cheap.stats.drafted > 0
+    # verifying one more token costs twice a whole step: nothing is worth drafting, every round is plain
+    with SpeculativeDecoder(model, "auto", eagle=eagle, k=4, cost=_flat_cost(batch, 4, 2.0)) as spec:
+        dear = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
+    assert_same_or_near_tie(model, dear.sequences, want, mask)
+    assert dear.stats.plain_rounds == dear.stats.rounds == 23 and dear.stats.drafted == 0

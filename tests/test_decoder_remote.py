@@ -25,7 +25,7 @@ def server():  # noqa: ANN201
     free = port.bind_to_random_port("tcp://127.0.0.1")
     port.close(0)
     address = f"tcp://127.0.0.1:{free}"
-    proc = subprocess.Popen([sys.executable, "-m", "decoder", "--bind", address], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "probebus", "serve-drafter", "--bind", address], cwd=ROOT)
     remote = RemoteEagle(address, timeout=120)
     yield remote
     remote.shutdown()
@@ -40,8 +40,9 @@ def test_remote_drafter_drafts_like_the_local_one(server: RemoteEagle) -> None:
                               pad_token_id=tok.pad_token_id)
     local = load_drafter(resolve_drafter("default"), model)
     results = {}
-    for name, drafter in (("local", local), ("remote", server)):
-        with SpeculativeDecoder(model, drafter, k=5) as spec:
+    for name, drafter, schedule in (("local", local, "fixed"), ("remote", server, "fixed"),
+                                    ("remote scheduled", server, "auto")):  # the stopping rule travels too
+        with SpeculativeDecoder(model, drafter, k=5, schedule=schedule) as spec:
             out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=32, pad_token_id=tok.pad_token_id)
         assert torch.equal(out.sequences, want), name
         results[name] = out.stats
@@ -52,6 +53,12 @@ def test_remote_drafter_drafts_like_the_local_one(server: RemoteEagle) -> None:
 
 def test_remote_errors_are_reported_not_hung(server: RemoteEagle) -> None:
     with pytest.raises(RuntimeError, match="drafter server: RuntimeError: 'draft' before 'subscribe'"):
-        server.draft(3, 0.0, None)  # no loop connected yet
+        server.draft([], torch.zeros(1, 4, dtype=torch.long), 3, 0.0, None)  # no loop connected yet
     with pytest.raises(RuntimeError, match="unknown op"):
         server._call({"op": "nonsense"})
+
+
+def test_decoder_does_not_import_probebus() -> None:
+    code = ("import sys, decoder; bad = sorted(m for m in sys.modules if m.split('.')[0] == 'probebus'); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd="/")

@@ -1,0 +1,203 @@
+"""What a round costs on this machine: the target's forward over L tokens at batch B, a drafter step.
+
+    cost = CostModel.for_target(target, k_max=5)          # cached per model and machine, measured if new
+    cost.ensure(batch=8, drafter=d)                       # measures batch 8 now if not cached
+    cost.verify(8, 3), cost.step(8), cost.overhead(8)     # seconds
+    cost.observe_verify(8, 3, 0.0041)                     # refine online from real rounds
+
+The curve is measured once per (model, dtype, device, threads) and machine (CPU model,
+torch version) and cached as JSON under the per-user cache directory
+(`$PROBEBUS_CACHE_DIR`, else `$XDG_CACHE_HOME/probebus`, else `~/.cache/probebus`).
+`refresh=True` measures again. During generation the loop feeds real timings back: an
+exponential moving average of observed/predicted scales the whole curve (its shape stays
+the measured one), so a machine that drifts is followed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("PROBEBUS_CACHE_DIR")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "probebus"
+
+
+def _machine_key() -> str:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}|{platform.machine()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+
+
+def _model_key(target: nn.Module) -> str:
+    p = next(target.parameters())
+    cfg = target.config.to_json_string(use_diff=False) if hasattr(target, "config") else type(target).__name__
+    n = sum(x.numel() for x in target.parameters())
+    return hashlib.sha256(f"{cfg}|{n}|{p.dtype}|{p.device}".encode()).hexdigest()[:16]
+
+
+class CostModel:
+    def __init__(self, key: str, data: dict | None = None, path: Path | None = None, *, adapt: bool = True) -> None:
+        self.key, self.path = key, path
+        self.data: dict[str, dict] = data or {}  # str(batch) -> {"verify": [s for L=1..], "step": s}
+        self.initial = json.loads(json.dumps(self.data))  # as loaded or measured: what seeded calls use
+        self._overhead: dict[int, float] = {}
+        self._scale: dict[int, float] = {}  # observed / measured forward time, per batch
+        self.adapt = adapt
+
+    @classmethod
+    def for_target(cls, target: nn.Module, *, refresh: bool = False, path: Path | None = None) -> CostModel:
+        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}".encode()).hexdigest()[:20]
+        path = path or cache_dir() / f"decoder-cost-{key}.json"
+        data = None
+        if not refresh and path.is_file():
+            try:
+                data = json.loads(path.read_text()).get("batches")
+            except (OSError, ValueError, AttributeError):
+                data = None  # a corrupt cache is measured again
+        model = cls(key, data, path)
+        model._target = target
+        return model
+
+    # --- queries ---------------------------------------------------------------------
+    def has(self, batch: int, k_max: int) -> bool:
+        d = self.data.get(str(batch))
+        return d is not None and len(d["verify"]) >= k_max + 1
+
+    def verify(self, batch: int, length: int, frozen: bool = False) -> float:
+        scale = 1.0 if frozen else self._scale.get(batch, 1.0)
+        return (self.initial if frozen else self.data)[str(batch)]["verify"][length - 1] * scale
+
+    def curve(self, batch: int, k_max: int, frozen: bool = False) -> list[float]:
+        """verify + per-round overhead, for L = 1..k_max+1; `frozen`: the values as loaded, no online refinement
+        (seeded calls schedule from these, so a seed reproduces the output)."""
+        o = self.overhead(batch, frozen)
+        scale = 1.0 if frozen else self._scale.get(batch, 1.0)
+        out = [v * scale + o for v in (self.initial if frozen else self.data)[str(batch)]["verify"][: k_max + 1]]
+        for i in range(1, len(out)):
+            out[i] = max(out[i], out[i - 1])
+        return out
+
+    def step(self, batch: int, frozen: bool = False) -> float:
+        return (self.initial if frozen else self.data)[str(batch)]["step"]
+
+    def overhead(self, batch: int, frozen: bool = False) -> float:
+        """Seconds a round spends outside the target forward and drafting (bookkeeping, verification)."""
+        return 1.5e-4 if frozen else self._overhead.get(batch, 1.5e-4)
+
+    # --- measuring -----------------------------------------------------------------------
+    def ensure(self, batch: int, k_max: int, drafter: nn.Module | None = None, context=None) -> None:  # noqa: ANN001
+        """Measure batch `batch` if it is not known yet (a few target forwards: ~20 ms per L on a small CPU model)."""
+        if self.has(batch, k_max):
+            return
+        self.data[str(batch)] = self.measure(self._target, batch, k_max, drafter, context)
+        self.initial[str(batch)] = json.loads(json.dumps(self.data[str(batch)]))
+        self._save()
+
+    @staticmethod
+    @torch.no_grad()
+    def measure(target: nn.Module, batch: int, k_max: int, drafter: nn.Module | None = None, context=None,  # noqa: ANN001
+                ctx_len: int = 64, reps: int = 5) -> dict:
+        """Seconds of a forward over L = 1..k_max+1 new tokens after ctx_len cached ones, and of a drafter step.
+
+        The fastest of `reps` interleaved runs after one untimed warm-up per length: on a shared
+        machine the slow runs measure the neighbours, not the model. `context()` (if given)
+        wraps each forward, e.g. a probe context that publishes nothing.
+        """
+        p = next(target.parameters())
+        vocab = target.config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, vocab, (batch, ctx_len + k_max + 1), generator=gen).to(p.device)
+        cache = DynamicCache()
+        wrap = context or (lambda: torch.no_grad())
+        with wrap():
+            target(ids[:, :ctx_len], cache=cache, use_cache=True)
+        times: list[list[float]] = [[] for _ in range(k_max + 1)]
+        for rep in range(reps + 1):
+            for length in range(1, k_max + 2):  # interleaved: drift hits every length alike
+                with wrap():
+                    t0 = time.perf_counter()
+                    target(ids[:, ctx_len: ctx_len + length], cache=cache, use_cache=True)
+                    if p.device.type == "cuda":
+                        torch.cuda.synchronize(p.device)
+                    if rep:  # the first pass warms up each shape's kernels and mask code
+                        times[length - 1].append(time.perf_counter() - t0)
+                cache.crop(-length)
+        verify = [min(t) for t in times]
+        for i in range(1, len(verify)):  # never cheaper than a shorter forward, never dearer than i+1 single ones
+            verify[i] = min(max(verify[i], verify[i - 1]), verify[0] * (i + 1))
+        step = verify[0] * 0.15
+        if drafter is not None and hasattr(drafter, "step"):
+            step = CostModel._measure_step(drafter, batch, reps)
+        return {"verify": verify, "step": step}
+
+    @staticmethod
+    @torch.no_grad()
+    def _measure_step(drafter: nn.Module, batch: int, reps: int) -> float:
+        p = drafter.fc.weight
+        cache = drafter.new_cache(batch, 96)
+        h = torch.zeros(batch, 1, drafter.config.hidden_size, dtype=p.dtype, device=p.device)
+        ids = torch.zeros(batch, 1, dtype=torch.long, device=p.device)
+        ts = []
+        for i in range(reps + 2):
+            pos = torch.full((batch, 1), i, dtype=torch.long, device=p.device)
+            t0 = time.perf_counter()
+            h, hn, logits = drafter.step(h, ids, pos, cache, i + 1)
+            ids = drafter.to_target(logits[:, -1].argmax(-1))[:, None]
+            ts.append(time.perf_counter() - t0)
+        return min(ts[2:])
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".cost-")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"machine": _machine_key(), "batches": self.data}, f)
+            os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old or the new file
+        except OSError:
+            pass  # a read-only home only costs a measurement next time
+
+    # --- online refinement -----------------------------------------------------------------
+    def observe_verify(self, batch: int, length: int, seconds: float, alpha: float = 0.05,
+                       shape_alpha: float = 0.02) -> None:
+        """Follow the machine: an exponential moving average of observed/measured scales the whole curve; each
+        length used also corrects its own point slowly (a noisy measurement at load is not kept forever)."""
+        if not self.adapt:
+            return
+        v = self.data[str(batch)]["verify"]
+        if length <= len(v):
+            old = self._scale.get(batch, 1.0)
+            ratio = min(max(seconds / v[length - 1], 0.5 * old), 2 * old)
+            self._scale[batch] = old + alpha * (ratio - old)
+            v[length - 1] *= 1 + shape_alpha * (ratio / self._scale[batch] - 1)
+
+    def observe_step(self, batch: int, seconds: float, alpha: float = 0.05) -> None:
+        if not self.adapt:
+            return
+        d = self.data[str(batch)]
+        d["step"] += alpha * (min(max(seconds, 0.5 * d["step"]), 2 * d["step"]) - d["step"])
+
+    def observe_overhead(self, batch: int, seconds: float, alpha: float = 0.1) -> None:
+        if not self.adapt:
+            return
+        old = self._overhead.get(batch, seconds)
+        self._overhead[batch] = old + alpha * (min(max(seconds, 0.0), 3 * old + 1e-4) - old)

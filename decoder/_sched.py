@@ -1,0 +1,202 @@
+"""The round scheduler: per round and row, which method drafts and how many tokens the target verifies.
+
+    plan = DraftPlan(k=5, cost=[...], step_cost=..., rate=..., base=[...], caps=[...], calib=[...])
+    plan.best(eagle_prefix)             # (value, verify length L) of the best choice so far
+    plan.worth_another(eagle, cond)     # would one more drafter step pay for itself?
+
+Throughput is tokens over time, so a round is worth what it emits beyond what the same time
+would have earned at the loop's rate R (tokens/s; renewal-reward, as in Dinkelbach's method):
+
+    value(L) = sum over rows of (1 + sum_{i < L} P_r,i)  -  R * c(L)
+
+c(L) is the measured cost of a target forward over L tokens at this batch (plus the
+round's bookkeeping); P_r,i is the probability that row r's draft i and every draft before
+it are accepted. For the n-gram proposal P comes from an online-calibrated table keyed by
+suffix-match length, prompt-output overlap and position; for EAGLE-3 from the confidence
+head (or, without one, the drafter's own top-1 probability) mapped through an online
+calibration of predicted versus observed acceptance. EAGLE-3 drafts one step at a time and
+stops once the expected gain of one more step is below R * (its cost): verify length and
+draft length are chosen separately, and time already spent drafting is sunk, not a reason
+to verify more. L = 1 is a plain step; with R at least the plain rate, a round drafts only
+when the extra tokens it expects pay for its extra time at that rate, which is how
+scheduling never loses to plain decoding.
+
+`DraftPlan` is plain data, so a drafter in another process runs the same stopping rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+class Calibrator:
+    """Observed acceptance per bin of a raw estimate, with a prior at the bin's centre and slow forgetting."""
+
+    def __init__(self, bins: int = 10, prior: float = 3.0, decay: float = 0.997) -> None:
+        self.bins, self.prior, self.decay = bins, prior, decay
+        self.acc = [0.0] * bins
+        self.n = [0.0] * bins
+
+    def _bin(self, raw: float) -> int:
+        return min(max(int(raw * self.bins), 0), self.bins - 1)
+
+    def table(self) -> list[float]:
+        return [(a + self.prior * (i + 0.5) / self.bins) / (n + self.prior)
+                for i, (a, n) in enumerate(zip(self.acc, self.n, strict=True))]
+
+    def __call__(self, raw: float) -> float:
+        i = self._bin(raw)
+        return (self.acc[i] + self.prior * (i + 0.5) / self.bins) / (self.n[i] + self.prior)
+
+    def update(self, raw: float, accepted: bool) -> None:
+        i = self._bin(raw)
+        self.acc[i] = self.acc[i] * self.decay + accepted
+        self.n[i] = self.n[i] * self.decay + 1.0
+
+
+class NgramCalibrator:
+    """Conditional acceptance of an n-gram draft by (suffix-match length, prompt-output overlap, position)."""
+
+    PRIOR = {1: 0.25, 2: 0.4, 3: 0.55}
+
+    def __init__(self, prior: float = 2.0, decay: float = 0.997) -> None:
+        self.prior, self.decay = prior, decay
+        self.stats: dict[tuple[int, int, int], list[float]] = {}
+
+    @staticmethod
+    def key(match: int, overlap: float, pos: int) -> tuple[int, int, int]:
+        return min(match, 3), int(overlap >= 0.5), min(pos, 7)
+
+    def __call__(self, match: int, overlap: float, pos: int) -> float:
+        k = self.key(match, overlap, pos)
+        a, n = self.stats.get(k, (0.0, 0.0))
+        return (a + self.prior * self.PRIOR[k[0]]) / (n + self.prior)
+
+    def update(self, match: int, overlap: float, pos: int, accepted: bool) -> None:
+        s = self.stats.setdefault(self.key(match, overlap, pos), [0.0, 0.0])
+        s[0] = s[0] * self.decay + accepted
+        s[1] = s[1] * self.decay + 1.0
+
+
+@dataclass
+class DraftPlan:
+    """Everything the stopping rule needs, as plain numbers (it also travels to a remote drafter)."""
+
+    k: int  # most drafts per row
+    cost: list[float]  # seconds of a round verifying L = 1..k+1 tokens (bookkeeping included)
+    step_cost: float  # seconds of one drafter step
+    rate: float  # tokens/s (all rows) that time is worth: max(plain rate, the loop's recent rate)
+    base: list[list[float]]  # per row: prefix sums of the n-gram proposal's P (base[r][0] == 0)
+    caps: list[int]  # per row: most useful drafts (remaining budget - 1); -1 = finished row
+    calib: list[float] = field(default_factory=list)  # EAGLE-3: raw confidence bin -> acceptance
+    fixed: bool = False  # draft exactly k, verify k+1: the classic fixed-k loop
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def conditional(self, raw: float) -> float:
+        if not self.calib:
+            return raw
+        return self.calib[min(max(int(raw * len(self.calib)), 0), len(self.calib) - 1)]
+
+    def best(self, eagle: list[list[float]] | None) -> tuple[float, int]:
+        """(value, verify length) of the best L given EAGLE-3's prefix sums per row (or None)."""
+        top_value, top_len = float("-inf"), 1
+        for length in range(1, len(self.cost) + 1):
+            tokens = 0.0
+            for r, cap in enumerate(self.caps):
+                if cap < 0:
+                    continue
+                m = min(length - 1, cap)
+                g = self.base[r]
+                gain = g[min(m, len(g) - 1)]
+                if eagle is not None:
+                    e = eagle[r]
+                    gain = max(gain, e[min(m, len(e) - 1)])
+                tokens += 1.0 + gain
+            value = tokens - self.rate * self.cost[length - 1]
+            if value > top_value + 1e-12:
+                top_value, top_len = value, length
+        return top_value, top_len
+
+    def worth_another(self, eagle: list[list[float]], cond: list[float]) -> bool:
+        """Would one more EAGLE-3 step gain more than its cost, if its conditional acceptance matched the last one?"""
+        now, _ = self.best(eagle)
+        longer = [e + [e[-1] + (e[-1] - e[-2]) * c] if len(e) > 1 else e for e, c in zip(eagle, cond, strict=True)]
+        nxt, _ = self.best(longer)
+        return nxt - now > self.rate * self.step_cost
+
+
+@dataclass
+class Choice:
+    """What a round verifies: L, and per row the method ('eagle', 'ngram' or 'none') and drafts offered."""
+
+    length: int
+    methods: list[str]
+    k_rows: list[int]
+
+
+class Scheduler:
+    """Per-decoder state: calibration (kept across calls, slowly forgotten) and the EAGLE-3 consult backoff."""
+
+    MAX_BACKOFF = 16
+
+    def __init__(self, k: int, *, fixed: bool = False) -> None:
+        self.k, self.fixed = k, fixed
+        self.eagle_calib = {"greedy": Calibrator(), "sample": Calibrator()}
+        self.ngram_calib = NgramCalibrator()
+        self.reset()
+
+    def reset(self) -> None:
+        """A new generate call: consult EAGLE-3 at once, whatever the last prompt taught."""
+        self.backoff, self.wait = 1, 0
+
+    def consult_eagle(self) -> bool:
+        if self.fixed or self.wait <= 0:
+            return True
+        self.wait -= 1
+        return False
+
+    def consulted(self, used: bool) -> None:
+        """After a consult: EAGLE-3 drafted for some row (ask again next round) or was not worth it (back off)."""
+        self.backoff = 1 if used else min(2 * self.backoff, self.MAX_BACKOFF)
+        self.wait = self.backoff - 1
+
+    def ngram_prefix(self, props: list[list[int]], match: list[int], overlap: list[float]) -> list[list[float]]:
+        out = []
+        for prop, m, o in zip(props, match, overlap, strict=True):
+            pref, cum = [0.0], 1.0
+            for i in range(len(prop)):
+                cum *= self.ngram_calib(m, o, i)
+                pref.append(pref[-1] + cum)
+            out.append(pref)
+        return out
+
+    def choose(self, plan: DraftPlan, eagle: list[list[float]] | None, props: list[list[int]],
+               n_eagle: int) -> Choice:
+        caps = plan.caps
+        if self.fixed:
+            length = plan.k + 1
+        else:
+            _, length = plan.best(eagle)
+        methods, k_rows = [], []
+        for r, cap in enumerate(caps):
+            m = max(min(length - 1, cap), 0)
+            g = plan.base[r][min(m, len(plan.base[r]) - 1)]
+            e = eagle[r][min(m, len(eagle[r]) - 1)] if eagle is not None else -1.0
+            if cap < 0 or m == 0 or (e <= 0 and not props[r]):
+                methods.append("none")
+                k_rows.append(0)
+            elif eagle is not None and (e >= g or not props[r]):
+                methods.append("eagle")
+                k_rows.append(min(m, n_eagle))
+            else:
+                methods.append("ngram")
+                k_rows.append(min(m, len(props[r])))
+        if self.fixed:  # the classic loop offers every draft it made
+            k_rows = [0 if c < 0 else (n_eagle if mt == "eagle" else len(p) if mt == "ngram" else 0)
+                      for c, mt, p in zip(caps, methods, props, strict=True)]
+            length = max(k_rows, default=0) + 1
+        else:
+            length = max(k_rows, default=0) + 1  # never verify slots no row offers
+        return Choice(length, methods, k_rows)

@@ -1,0 +1,208 @@
+"""Bookkeeping of one speculative `generate` call: rows, the target's mask and cache, statistics.
+
+    run = Run(input_ids, mask, max_new_tokens=64, k=5, eos=[2], device=dev)
+    inp, positions, mask = run.inputs(drafts)          # [last, d1..dn] per row
+    kept = run.commit(n_acc, nxt, drafts)              # per-row tokens, holes for rejected slots, cache crop
+
+Rows accept independently: rejected slots stay in the shared target KV cache as masked-out
+holes and every row carries explicit positions, so no row waits for another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class SpecStats:
+    batch: int = 1
+    rounds: int = 0
+    target_forwards: int = 0
+    emitted: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # per draft position: rows that accepted it
+    offered_at: list[int] = field(default_factory=list)
+    row_rounds: int = 0  # (row, round) pairs of active rows
+    drafted_row_rounds: int = 0  # ... that offered at least one draft
+    eagle_rounds: int = 0  # row-rounds drafted by EAGLE-3
+    ngram_rounds: int = 0  # row-rounds drafted by n-gram
+    plain_rounds: int = 0  # rounds with nothing drafted (a plain step)
+    seconds: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    bus_s: float = 0.0
+    history: list[tuple[int, int, int, int]] = field(default_factory=list)  # per round: L, rows, offered, accepted
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verification round and row, bonus token included (plain steps count 1)."""
+        return (self.accepted + self.row_rounds) / max(self.row_rounds, 1)
+
+    @property
+    def tau_drafted(self) -> float:
+        """Like tau, over the row-rounds that drafted."""
+        return (self.accepted + self.drafted_row_rounds) / max(self.drafted_row_rounds, 1)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """New tokens per row per target forward (prefill included)."""
+        return self.emitted / max(self.target_forwards * self.batch, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.emitted / max(self.seconds, 1e-9)
+
+    @property
+    def acceptance(self) -> list[float]:
+        """Per draft position: the share of rows that offered it and had it accepted."""
+        return [a / o if o else 0.0 for a, o in zip(self.accepted_at, self.offered_at, strict=True)]
+
+    def as_dict(self) -> dict:
+        keys = ("batch", "rounds", "target_forwards", "emitted", "drafted", "accepted", "eagle_rounds",
+                "ngram_rounds", "plain_rounds", "seconds", "draft_s", "verify_s", "bus_s")
+        d = {k: getattr(self, k) for k in keys}
+        d.update(tau=self.tau, tau_drafted=self.tau_drafted, tokens_per_forward=self.tokens_per_forward,
+                 tokens_per_s=self.tokens_per_s, acceptance=self.acceptance)
+        return d
+
+
+@dataclass
+class SpecOutput:
+    sequences: torch.Tensor
+    stats: SpecStats
+
+
+class Run:
+    """Per-call state. Per-row scalars live in Python lists (a round touches each a few times)."""
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, max_new_tokens: int, k: int,
+                 eos: list[int], device: torch.device) -> None:
+        b, p_len = input_ids.shape
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+        self.b, self.device, self.max_new, self.eos = b, device, max_new_tokens, set(eos)
+        self.input_ids = input_ids
+        self.lens = mask.sum(1).tolist()
+        self.cap = p_len + max_new_tokens + 2 * k + 4  # a row may overshoot its budget by k, then draft k
+        self.toks = torch.zeros(b, self.cap, dtype=torch.long)  # each row's real tokens by position (CPU)
+        ids_cpu, mask_cpu = input_ids.cpu(), mask.cpu()
+        for r in range(b):
+            self.toks[r, : self.lens[r]] = ids_cpu[r, mask_cpu[r].bool()]
+        self.mask = torch.zeros(b, p_len + 4 * (k + 1) + max_new_tokens, dtype=torch.long, device=device)
+        self.mask[:, :p_len] = mask.to(device)
+        self.cols = p_len
+        self.prompt_mask = mask.to(device)
+        self.last = list(self.lens)  # position of the token that goes in next (its id is known)
+        self.emitted = [0] * b
+        self.done = [False] * b
+        self.cache = DynamicCache()
+        self.stats = SpecStats(batch=b, accepted_at=[0] * k, offered_at=[0] * k)
+        self.feeds: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # forwards the drafter has not read yet
+        self.ngram: list | None = None
+        self._tokens_ema = self._seconds_ema = 0.0
+
+    def observe_rate(self, tokens: int, seconds: float, alpha: float = 0.1) -> None:
+        """The loop's recent throughput (tokens/s over all rows), as a ratio of moving averages."""
+        self._tokens_ema += alpha * (tokens - self._tokens_ema)
+        self._seconds_ema += alpha * (seconds - self._seconds_ema)
+
+    def rate(self) -> float:
+        return self._tokens_ema / self._seconds_ema if self._seconds_ema > 0 else 0.0
+
+    def active(self) -> list[bool]:
+        return [not d and e < self.max_new for d, e in zip(self.done, self.emitted, strict=True)]
+
+    def any_active(self) -> bool:
+        return any(self.active())
+
+    def caps(self, k: int) -> list[int]:
+        """Most drafts worth offering per row: the remaining budget minus the bonus token (-1: finished)."""
+        return [min(k, self.max_new - e - 1) if a else -1
+                for a, e in zip(self.active(), self.emitted, strict=True)]
+
+    def prefill_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions from the mask, so left padding never shifts a row."""
+        pos = (self.prompt_mask.cumsum(1) - 1).clamp_min(0)
+        return self.prompt_mask, pos
+
+    def start(self, first: list[int]) -> None:
+        """The prefill's token for each row."""
+        for r, t in enumerate(first):
+            self.toks[r, self.last[r]] = t
+            self.emitted[r] = 1
+            self.done[r] = t in self.eos
+
+    def inputs(self, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input ids [B, L], positions [B, L], attention mask [B, cols + L]) for a verify forward."""
+        b, n = drafts.shape
+        length = n + 1
+        last = torch.tensor(self.last)
+        inp = torch.cat([self.toks[torch.arange(b), last][:, None], drafts.cpu()], 1)
+        positions = last[:, None] + torch.arange(length)
+        if self.cols + length > self.mask.shape[1]:  # rare: holes piled up; grow the mask
+            grown = torch.zeros(b, 2 * self.mask.shape[1] + length, dtype=torch.long, device=self.device)
+            grown[:, : self.cols] = self.mask[:, : self.cols]
+            self.mask = grown
+        self.mask[:, self.cols: self.cols + length] = 1
+        return inp.to(self.device), positions.to(self.device), self.mask[:, : self.cols + length]
+
+    def commit(self, n_acc: list[int], nxt: list[int], drafts: torch.Tensor) -> list[list[int]]:
+        """Write each active row's accepted drafts and next token; rejected slots become masked holes.
+
+        Returns the tokens kept per row (after the budget and EOS), for streaming and n-gram indices.
+        """
+        b, n = drafts.shape
+        length = n + 1
+        active = self.active()
+        d_rows = drafts.tolist()
+        kept: list[list[int]] = [[] for _ in range(b)]
+        n_eff = []
+        for r in range(b):
+            if not active[r]:
+                n_eff.append(-1)
+                continue
+            acc = n_acc[r]
+            new = d_rows[r][:acc] + [nxt[r]]
+            budget = self.max_new - self.emitted[r]
+            keep = min(len(new), budget)
+            for i, t in enumerate(new[:keep]):
+                if t in self.eos:
+                    keep = i + 1
+                    self.done[r] = True
+                    break
+            start = self.last[r] + 1
+            self.toks[r, start: start + keep] = torch.tensor(new[:keep])
+            if acc + 1 > keep:  # the overshoot still sits at these positions for the drafter's inputs
+                self.toks[r, start + keep: start + acc + 1] = torch.tensor(new[keep:])
+            kept[r] = new[:keep]
+            self.emitted[r] += keep
+            n_eff.append(acc)
+        # slots past each row's accepted ones are masked out; the cache keeps the widest row
+        cols = self.cols
+        if min(n_eff) + 1 < length:
+            ne = torch.tensor(n_eff, device=self.device)
+            self.mask[:, cols: cols + length] *= (torch.arange(length, device=self.device)[None, :] <= ne[:, None])
+        keep_cols = cols + max(n_eff) + 1
+        if self.cache.get_seq_length() > keep_cols:  # transformers 5: crop(-n) removes the last n tokens
+            self.cache.crop(keep_cols - self.cache.get_seq_length())
+        self.cols = keep_cols
+        self.n_eff = n_eff
+        return kept
+
+    def advance(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move each row past its accepted positions; (start, end) of the positions the drafter may read."""
+        start = torch.tensor(self.last)
+        self.last = [p + n + 1 for p, n in zip(self.last, self.n_eff, strict=True)]
+        end = torch.maximum(torch.tensor(self.last) - 1, start)
+        return start, end
+
+    def sequences(self, pad: int | None) -> torch.Tensor:
+        """Like `generate`: the (padded) prompt, then new tokens, padded after a row finishes."""
+        width = max(self.emitted)
+        out = torch.full((self.b, width), pad if pad is not None else 0, dtype=torch.long)
+        for r in range(self.b):
+            out[r, : self.emitted[r]] = self.toks[r, self.lens[r]: self.lens[r] + self.emitted[r]]
+        return torch.cat([self.input_ids.cpu(), out], 1)
