@@ -1,12 +1,22 @@
-"""Decode overhead of probebus versus no probes and a naive synchronous-send baseline,
+"""What observing costs the model: probebus against plain generate, naive hooks and nnsight,
 plus bus throughput against raw pyzmq with the same message sizes.
 
-    python benchmarks/overhead.py                 # full run (~100M Llama, 5 repeats)
-    python benchmarks/overhead.py --quick         # smoke run on a small model
+    python benchmarks/overhead.py                       # both placements, batch 1 and 8, 7 repeats
+    python benchmarks/overhead.py --quick               # smoke run
+    python benchmarks/overhead.py --skip-decode         # bus throughput only
 
-Decode throughput is measured with a streamer that timestamps every new token, so the
-prefill is excluded; modes are interleaved (rotating order) and medians are reported.
-Subscribers run in separate processes and drain everything, like a real consumer.
+Placements:
+  model-core  the model's thread alone on core 0 with 1 torch thread while it generates;
+              every other thread and process (ZeroMQ I/O, subscribers) on the other cores:
+              a server with a spare core.
+  shared      every thread on every core, 2 torch threads.
+Modes (all in the same process, interleaved in rotating order, fresh per run):
+  plain     generate with nothing attached (the baseline)
+  empty     a forward hook per site that does nothing (the dispatch floor)
+  probebus  probe.attach on the sites, a Subscriber process draining everything
+  naive     hooks that clone and send synchronously with pyzmq, a SUB process draining
+  nnsight   nnsight's generate, saving every site at every step (tracer.all())
+Decode throughput excludes the prefill: a streamer timestamps every new token.
 """
 
 from __future__ import annotations
@@ -20,16 +30,19 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
 import zmq
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 import probe
-from probe._context import StepContext
 
+ROOT = Path(__file__).resolve().parents[1]
 DRAIN = textwrap.dedent("""
     import sys, zmq, probe
     mode, endpoint = sys.argv[1], sys.argv[2]
@@ -58,40 +71,34 @@ class Clock(BaseStreamer):
     def end(self) -> None:
         pass
 
-    def intervals(self) -> list[float]:
-        """Seconds between consecutive decode tokens (prefill excluded)."""
-        return [b - a for a, b in zip(self.times[1:-1], self.times[2:], strict=True)]
-
     def decode_tok_s(self, batch: int) -> float:
         # times[0]: prompt pushed; times[1]: first token (after prefill); then one per decode step.
-        steps = len(self.times) - 2
-        return batch * steps / (self.times[-1] - self.times[1])
+        return batch * (len(self.times) - 2) / (self.times[-1] - self.times[1])
+
+    def steps(self) -> list[float]:
+        return [b - a for a, b in zip(self.times[1:-1], self.times[2:], strict=True)]
 
 
-def build_model(quick: bool) -> LlamaForCausalLM:
+def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    if quick:
-        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                          num_key_value_heads=4, vocab_size=8192)
-    else:  # ~100M parameters
-        cfg = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                          num_key_value_heads=12, vocab_size=16000, max_position_embeddings=512)
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
+                      num_attention_heads=8, num_key_value_heads=8, vocab_size=8192, max_position_embeddings=1024)
     return LlamaForCausalLM(cfg).eval()
 
 
 class NaiveHooks:
-    """What most tools do: clone inside the hook and send synchronously, whole padded tensor."""
+    """What most tools do: clone inside the hook and send synchronously, the whole padded tensor."""
 
     def __init__(self, model: LlamaForCausalLM, endpoint: str) -> None:
         self.sock = zmq.Context.instance().socket(zmq.PUB)
         self.sock.bind(endpoint)
-        self.handles = []
-        for i, layer in enumerate(model.model.layers):
-            self.handles.append(layer.register_forward_hook(self._hook(f"layers.{i}.resid_post")))
+        self.handles = [layer.register_forward_hook(self._hook(f"layers.{i}.resid_post"))
+                        for i, layer in enumerate(model.model.layers)]
+        time.sleep(0.3)  # PUB/SUB slow joiner
 
     def _hook(self, site: str):  # noqa: ANN202
         def hook(module, args, output):  # noqa: ANN001, ANN202
-            t = output.detach().clone()
+            t = (output[0] if isinstance(output, tuple) else output).detach().clone()
             header = json.dumps({"site": site, "shape": list(t.shape), "dtype": str(t.dtype)}).encode()
             self.sock.send_multipart([site.encode(), header, t.numpy()])
         return hook
@@ -102,130 +109,202 @@ class NaiveHooks:
         self.sock.close(1000)
 
 
-def run_decode(model, ids, mode: str, endpoints: dict[str, str]) -> Clock:  # noqa: ANN001
+@contextmanager
+def model_core(pinned: bool):
+    """Pin this (the model's) thread to core 0 while it generates; everything else stays on the rest."""
+    if not pinned:
+        yield
+        return
+    rest = set(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {0})  # on Linux, pid 0 = the calling thread only
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, rest)
+
+
+def run_once(model, lm, ids: torch.Tensor, mode: str, endpoints: dict[str, str], pinned: bool) -> Clock:  # noqa: ANN001
     clock = Clock()
-    kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, streamer=clock,
+    kw = dict(max_new_tokens=ARGS.new_tokens, min_new_tokens=ARGS.new_tokens, do_sample=False, streamer=clock,
               eos_token_id=None, pad_token_id=0)
-    if mode == "none":
-        with torch.no_grad():
-            model.generate(ids, **kw)
-    elif mode == "probebus":
-        with probe.attach(model, "layers.*.resid_post", endpoint=endpoints["probebus"]) as session:
-            session.wait_for_subscribers(1, timeout=30)
-            with torch.no_grad():
-                model.generate(ids, **kw)
-        assert session.stats.dropped == 0
-    else:
-        naive = NaiveHooks(model, endpoints["naive"])
-        time.sleep(0.3)  # PUB/SUB slow joiner
-        with torch.no_grad():
-            model.generate(ids, **kw)
-        naive.close()
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        if mode == "plain":
+            with model_core(pinned):
+                model.generate(ids, attention_mask=mask, **kw)
+        elif mode == "empty":
+            hs = [layer.register_forward_hook(lambda m, a, o: None) for layer in model.model.layers]
+            with model_core(pinned):
+                model.generate(ids, attention_mask=mask, **kw)
+            for h in hs:
+                h.remove()
+        elif mode == "probebus":
+            with probe.attach(model, "layers.*.resid_post", endpoint=endpoints["probebus"]) as session:
+                session.wait_for_subscribers(1, timeout=30)
+                with model_core(pinned):
+                    model.generate(ids, attention_mask=mask, **kw)
+            assert session.stats.dropped == 0 and session.stats.published == session.stats.captured
+            session.join(30)  # the drain has everything before the next run starts
+        elif mode == "naive":
+            naive = NaiveHooks(model, endpoints["naive"])
+            with model_core(pinned):
+                model.generate(ids, attention_mask=mask, **kw)
+            naive.close()
+        elif mode == "nnsight":
+            saved = []
+            with warnings.catch_warnings(), model_core(pinned):
+                warnings.simplefilter("ignore")
+                with lm.generate({"input_ids": ids, "attention_mask": mask}, **kw) as tracer:
+                    for _ in tracer.all():
+                        for layer in lm.model.layers:
+                            saved.append(layer.output.save())
+            assert len(saved) >= ARGS.new_tokens * len(model.model.layers)
     return clock
 
 
-def decode_overhead() -> None:
-    model = build_model(args.quick)
-    params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"model: random Llama {params:.0f}M params, fp32, {torch.get_num_threads()} threads, "
-          f"prompt {args.prompt}, {args.new_tokens} new tokens")
-    endpoints = {"probebus": f"tcp://127.0.0.1:{args.port}", "naive": f"tcp://127.0.0.1:{args.port + 1}"}
+def decode_overhead(placement: str) -> None:
+    pinned = placement == "model-core"
+    cores = sorted(os.sched_getaffinity(0))
+    if pinned and len(cores) < 2:
+        print("model-core placement needs 2 cores; skipped")
+        return
+    torch.set_num_threads(1 if pinned else min(2, len(cores)))
+    others = set(cores) - {0} if pinned else set(cores)
+    os.sched_setaffinity(0, others)  # threads and processes started from here inherit the other cores
+    model = build_model(ARGS)
+    lm = None
+    modes = [m for m in ARGS.modes if m != "nnsight" or _nnsight_ok()]
+    if "nnsight" in modes:
+        from nnsight import LanguageModel
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lm = LanguageModel(model, tokenizer=AutoTokenizer.from_pretrained(ROOT / "probebus/models/default"))
+    endpoints = {"probebus": f"ipc:///tmp/probebus-bench-{os.getpid()}", "naive": f"tcp://127.0.0.1:{ARGS.port}"}
     children = [subprocess.Popen([sys.executable, "-c", DRAIN, m, e]) for m, e in endpoints.items()]
+    zmq.Context.instance().socket(zmq.PAIR).close()  # ZeroMQ's global I/O thread starts here, on the other cores
+    print(f"\n## placement {placement}: model thread on core{'s' if not pinned else ''} "
+          f"{'0' if pinned else cores}, {torch.get_num_threads()} torch thread(s), everything else on "
+          f"{sorted(others)}; random Llama {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+          f"(hidden {ARGS.hidden}, {ARGS.layers} layers, vocab 8192), fp32, prompt {ARGS.prompt}, "
+          f"{ARGS.new_tokens} new tokens, greedy, sites layers.*.resid_post")
     try:
-        for batch in args.batches:
-            ids = torch.randint(3, model.config.vocab_size, (batch, args.prompt))
-            modes = ["none", "probebus", "naive"]
-            run_decode(model, ids, "none", endpoints)  # warm-up
-            got: dict[str, list[float]] = {m: [] for m in modes}
-            steps: dict[str, list[float]] = {m: [] for m in modes}
-            for rep in range(args.repeats):
-                for m in modes[rep % 3:] + modes[: rep % 3]:
-                    clock = run_decode(model, ids, m, endpoints)
-                    got[m].append(clock.decode_tok_s(batch))
-                    steps[m].extend(clock.intervals())
-            # Two views: median run throughput, and the median per-token step time over every
-            # token of every run (robust to bursts of load from outside the VM).
-            med = {m: statistics.median(v) for m, v in got.items()}
-            step = {m: batch / statistics.median(v) for m, v in steps.items()}
-            print(f"\nbatch {batch}: decode tok/s, {args.repeats} interleaved repeats")
-            for m in modes:
-                spread = f"[{min(got[m]):.1f}..{max(got[m]):.1f}]"
-                slow_run, slow_step = 100 * (1 - med[m] / med["none"]), 100 * (1 - step[m] / step["none"])
-                print(f"  {m:9s} run median {med[m]:7.1f} tok/s {spread:>15s} ({slow_run:+5.1f}%)"
-                      f"   per-token median {step[m]:7.1f} tok/s ({slow_step:+5.1f}%)")
-            for name, v in (("run median", med), ("per-token median", step)):
-                pb, nv = 1 - v["probebus"] / v["none"], 1 - v["naive"] / v["none"]
-                ratio = f"{nv / pb:.1f}x" if pb > 0 else "probebus overhead not measurable (<= 0)"
-                print(f"  {name}: naive overhead / probebus overhead = {ratio}")
+        for batch in ARGS.batches:
+            ids = torch.randint(3, 8192, (batch, ARGS.prompt), generator=torch.Generator().manual_seed(batch))
+            run_once(model, lm, ids, "plain", endpoints, pinned)  # warm-up
+            tok_s: dict[str, list[float]] = {m: [] for m in modes}
+            for rep in range(ARGS.repeats):
+                for m in modes[rep % len(modes):] + modes[: rep % len(modes)]:
+                    tok_s[m].append(run_once(model, lm, ids, m, endpoints, pinned).decode_tok_s(batch))
+            report(batch, tok_s)
     finally:
         for c in children:
             c.kill()
+        os.sched_setaffinity(0, set(cores))
+
+
+def report(batch: int, tok_s: dict[str, list[float]]) -> None:
+    base = statistics.median(tok_s["plain"])
+    print(f"\nbatch {batch}: decode tok/s over {ARGS.repeats} interleaved runs (median [min..max]), "
+          "slowdown = 1 - median / median(plain)")
+    slow = {}
+    for m, v in tok_s.items():
+        med = statistics.median(v)
+        slow[m] = 100 * (1 - med / base)
+        # each run's slowdown against the plain run of the same round: the spread the VM's drift allows
+        pairs = [100 * (1 - a / b) for a, b in zip(v, tok_s["plain"], strict=True)]
+        print(f"  {m:9s} {med:8.1f} tok/s [{min(v):7.1f}..{max(v):7.1f}]  slowdown {slow[m]:+6.1f} %"
+              + ("" if m == "plain" else f"   per-round [{min(pairs):+5.1f}..{max(pairs):+5.1f}] %"))
+    if "probebus" in slow:
+        others = ", ".join(f"{m} {slow[m]:+.1f} %" for m in ("naive", "nnsight") if m in slow)
+        print(f"  -> probebus {slow['probebus']:+.1f} % vs {others}")
+
+
+def _nnsight_ok() -> bool:
+    try:
+        import nnsight  # noqa: F401
+    except ImportError:
+        print("nnsight not installed (pip install -e '.[bench]'): its column is skipped")
+        return False
+    return True
+
+
+RECV = textwrap.dedent("""
+    import sys, time, zmq, probe
+    mode, endpoint, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if mode == "probebus":
+        sub = probe.Subscriber(endpoint)
+        recv = lambda: sub.recv()
+        print("ready", flush=True)
+    else:
+        s = zmq.Context.instance().socket(zmq.SUB); s.setsockopt(zmq.SUBSCRIBE, b""); s.connect(endpoint)
+        recv = lambda: s.recv_multipart(copy=False)
+    recv(); t0 = time.perf_counter()
+    for _ in range(count - 1):
+        recv()
+    print(time.perf_counter() - t0, flush=True)
+""")
+
+
+class Echo(torch.nn.Module):
+    """A one-layer 'model' whose layer returns its input: every forward is one capture of that tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Identity()])
+
+    def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](inputs_embeds)
 
 
 def bus_throughput() -> None:
-    """Messages through hook-staging -> publisher -> Subscriber (other process), vs raw pyzmq PUB -> SUB."""
     sizes = [(1, 768), (8, 768), (128, 768), (1024, 768)]  # decode b1, decode b8, prefill 128, prefill 8x128
-    print("\nbus throughput (fp32 [rows, 768] payloads), median of", args.repeats, "interleaved repeats")
-    recv_script = textwrap.dedent("""
-        import sys, time, zmq, probe
-        mode, endpoint, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-        if mode == "probebus":
-            sub = probe.Subscriber(endpoint)
-            recv = lambda: sub.recv()
-        else:
-            s = zmq.Context.instance().socket(zmq.SUB); s.setsockopt(zmq.SUBSCRIBE, b""); s.connect(endpoint)
-            recv = lambda: s.recv_multipart(copy=False)
-        recv(); t0 = time.perf_counter()
-        for _ in range(count - 1):
-            recv()
-        print(time.perf_counter() - t0, flush=True)
-    """)
+    torch.set_num_threads(1)
+    print(f"\n## bus throughput: fp32 [rows, 768] captures through the hook path into a Subscriber in another "
+          f"process, against raw pyzmq XPUB -> SUB (recv_multipart) of the same bytes; median of {ARGS.repeats} "
+          "interleaved repeats")
     for rows, hidden in sizes:
         nbytes = rows * hidden * 4
-        count = max(200, min(20000, int(300e6 / nbytes)))
+        count = max(200, min(20000, int(300e6 / nbytes))) if not ARGS.quick else 300
         res: dict[str, list[float]] = {"probebus": [], "raw pyzmq": []}
-        for rep in range(args.repeats):
+        for rep in range(ARGS.repeats):
             for mode in (["probebus", "raw pyzmq"] if rep % 2 == 0 else ["raw pyzmq", "probebus"]):
-                res[mode].append(_one_throughput(mode, recv_script, rows, hidden, count))
+                res[mode].append(_one_throughput(mode, rows, hidden, count))
         med = {m: statistics.median(v) for m, v in res.items()}
-        ratio = med["probebus"] / med["raw pyzmq"]
-        print(f"  {nbytes / 1024:8.0f} KiB x {count:5d}: probebus {med['probebus']:8.0f} msg/s "
-              f"({med['probebus'] * nbytes / 1e9:5.2f} GB/s)  raw {med['raw pyzmq']:8.0f} msg/s "
-              f"({med['raw pyzmq'] * nbytes / 1e9:5.2f} GB/s)  ratio {ratio:.2f}")
+        print(f"  {nbytes / 1024:6.0f} KiB x {count:5d}: probebus {med['probebus']:8.0f} msg/s "
+              f"({med['probebus'] * nbytes / 1e9:5.2f} GB/s) [{min(res['probebus']):.0f}..{max(res['probebus']):.0f}]"
+              f"   raw {med['raw pyzmq']:8.0f} msg/s ({med['raw pyzmq'] * nbytes / 1e9:5.2f} GB/s)"
+              f"   ratio {med['probebus'] / med['raw pyzmq']:.2f}")
 
 
-def _one_throughput(mode: str, script: str, rows: int, hidden: int, count: int) -> float:
+def _one_throughput(mode: str, rows: int, hidden: int, count: int) -> float:
     payload = torch.randn(1, rows, hidden)
     if mode == "probebus":
-        session = probe.attach(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(1, 1)])),
-                               "layers.0.resid_post", endpoint="tcp://127.0.0.1:*")
-        endpoint = session.endpoint
-        child = subprocess.Popen([sys.executable, "-c", script, mode, endpoint, str(count)], stdout=subprocess.PIPE)
-        session.wait_for_subscribers(1, timeout=30)
-        session._ctx = StepContext(1, 1, 1, rows, torch.ones(1, rows, dtype=torch.bool), torch.tensor([0]),
-                                   torch.arange(rows).unsqueeze(0), torch.zeros(1, rows, dtype=torch.long),
-                                   payload.device)
-        for _ in range(count):  # exactly what a forward hook does per capture
-            session._capture(("layers.0.resid_post", b"layers.0.resid_post", 0), payload)
-        session.close()
-    else:
-        sock = zmq.Context.instance().socket(zmq.XPUB)
-        sock.setsockopt(zmq.XPUB_NODROP, 1)
-        endpoint = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
-        child = subprocess.Popen([sys.executable, "-c", script, mode, endpoint, str(count)], stdout=subprocess.PIPE)
-        sock.recv()
-        data = payload.numpy()
-        for _ in range(count):
-            while True:
-                try:
-                    sock.send(data, zmq.NOBLOCK, copy=data.nbytes < zmq.COPY_THRESHOLD)
-                    break
-                except zmq.Again:
-                    time.sleep(0.0002)
-        out = child.communicate()[0]
-        sock.close(5000)
-        return (count - 1) / float(out)
-    return (count - 1) / float(child.communicate()[0])
+        model = Echo()
+        with probe.attach(model, "layers.0.resid_post", endpoint="tcp://127.0.0.1:*") as session:
+            child = subprocess.Popen([sys.executable, "-c", RECV, mode, session.endpoint, str(count)],
+                                     stdout=subprocess.PIPE, text=True)
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+            session.wait_for_subscribers(1, timeout=30)
+            for _ in range(count):
+                model(inputs_embeds=payload)
+        return (count - 1) / float(child.communicate()[0])
+    sock = zmq.Context.instance().socket(zmq.XPUB)
+    sock.setsockopt(zmq.XPUB_NODROP, 1)
+    endpoint = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    child = subprocess.Popen([sys.executable, "-c", RECV, mode, endpoint, str(count)], stdout=subprocess.PIPE)
+    sock.recv()
+    data = payload.numpy()
+    for _ in range(count):
+        while True:
+            try:
+                sock.send(data, zmq.NOBLOCK, copy=data.nbytes < zmq.COPY_THRESHOLD)
+                break
+            except zmq.Again:
+                time.sleep(0.0002)
+    out = child.communicate()[0]
+    sock.close(5000)
+    return (count - 1) / float(out)
 
 
 def machine() -> str:
@@ -236,26 +315,33 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, pyzmq {zmq.__version__} "
-            f"(libzmq {zmq.zmq_version()}), numpy {np.__version__}, Python {platform.python_version()}")
+            f"(libzmq {zmq.zmq_version()}), numpy {np.__version__}, Python {platform.python_version()}, "
+            f"probebus {probe.__version__}")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small model, few tokens: a smoke run")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--port", type=int, default=47810)
-    ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument("--skip-bus", action="store_true")
-    args = ap.parse_args()
-    if args.quick:
-        args.repeats, args.prompt, args.new_tokens = min(args.repeats, 2), 32, 16
-    torch.set_num_threads(args.threads)
+    ap.add_argument("--quick", action="store_true", help="few repeats and tokens: a smoke run")
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds per mode (default: %(default)s)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (default: 1 8)")
+    ap.add_argument("--placements", nargs="+", default=["model-core", "shared"], choices=["model-core", "shared"])
+    ap.add_argument("--modes", nargs="+", default=["plain", "empty", "probebus", "naive", "nnsight"],
+                    choices=["plain", "empty", "probebus", "naive", "nnsight"])
+    ap.add_argument("--hidden", type=int, default=512, help="model width (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers (default: %(default)s)")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (default: %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=48, help="tokens generated per run (default: %(default)s)")
+    ap.add_argument("--port", type=int, default=47810, help="TCP port of the naive baseline")
+    ap.add_argument("--skip-decode", action="store_true", help="only the bus throughput")
+    ap.add_argument("--skip-bus", action="store_true", help="only the decode overhead")
+    ARGS = ap.parse_args()
+    if "plain" not in ARGS.modes:
+        ARGS.modes.insert(0, "plain")
+    if ARGS.quick:
+        ARGS.repeats, ARGS.new_tokens = min(ARGS.repeats, 2), 12
     print("machine:", machine())
-    if not args.skip_decode:
-        decode_overhead()
-    if not args.skip_bus:
+    if not ARGS.skip_decode:
+        for placement in ARGS.placements:
+            decode_overhead(placement)
+    if not ARGS.skip_bus:
         bus_throughput()

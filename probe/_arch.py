@@ -2,7 +2,7 @@
 
     arch = resolve_arch(model)
     arch.sites()                      # ['embed', 'layers.0.resid_pre', ...]
-    module, kind, pick = arch.locate("layers.3.attn_out")
+    point = arch.locate("layers.3.attn_out")    # HookPoint(module=..., kind="post")
 
 Every site is read at exactly one PyTorch hook point: the first input of a module
 (`kind="pre"`) or its output (`kind="post"`, first element when the output is a

@@ -83,7 +83,7 @@ class CopyPath:
         if t.is_cuda:
             self._capture_cuda(key, t, ident, index, tokens, n, dtype, nbytes)
             return
-        src = t.detach()
+        src = t.detach() if t.requires_grad else t  # detach alone costs ~3 us per call
         if src.dtype == torch.bfloat16:  # numpy has no bf16: move the same bits as int16
             src = src.view(torch.int16)
         rows = src.numpy().reshape(batch * seq_len, -1)

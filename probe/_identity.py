@@ -33,7 +33,7 @@ class StepIdentity:
     seq_len: int
     valid: np.ndarray | None  # bool [B, S]; None: every token is real
     seq_ids: np.ndarray  # int64 [B]
-    positions: np.ndarray  # int64 [B, S]
+    positions: np.ndarray  # int64 [B, S], or [1, S] when every row has the same positions
     token_ids: np.ndarray  # int64 [B, S] (-1 when the model was fed embeddings)
     device: torch.device
     _rows: dict[int, tuple[np.ndarray | None, bytes, int]] = field(default_factory=dict)
@@ -63,7 +63,7 @@ class StepIdentity:
                 n = len(b)
                 tokens = np.empty((3, n), dtype=np.int64)
                 tokens[0] = self.seq_ids[b]
-                tokens[1] = self.positions[:, cut:][b, s]
+                tokens[1] = np.broadcast_to(self.positions, (self.batch, self.seq_len))[:, cut:][b, s]
                 tokens[2] = self.token_ids[:, cut:][b, s]
                 index = b * seq_len + s
             got = (index, tokens.tobytes(), n)
@@ -172,8 +172,7 @@ class IdentityTracker:
                 new = host_array(mask, np.int64)
                 return self._advance(np.full(batch, past, dtype=np.int64), new, -1)
         self._count = None
-        pos = np.broadcast_to(np.arange(past, past + seq_len, dtype=np.int64), (batch, seq_len))
-        return pos, None
+        return np.arange(past, past + seq_len, dtype=np.int64)[None, :], None
 
     def _advance(self, start: np.ndarray, new: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray | None]:
         if new.shape[1] == 1:  # decode: one token per row

@@ -352,7 +352,7 @@ class ProbeSession:
         batch, seq_len = (t.shape[0], t.shape[1]) if t.dim() == 3 else (1, t.shape[0])
         tracker = self._ids
         tracker.step += 1
-        pos = np.broadcast_to(np.arange(seq_len, dtype=np.int64), (batch, seq_len))
+        pos = np.arange(seq_len, dtype=np.int64)[None, :]
         tokens = np.full((batch, seq_len), -1, dtype=np.int64)
         return StepIdentity(tracker.step, PHASE_CODE["prefill"], batch, seq_len, None, tracker.new_seq_ids(batch),
                             pos, tokens, t.device)
