@@ -108,12 +108,11 @@ class SubscriberStats:
 
 
 def parse_capture(frames: list) -> Capture:
-    """Validate and decode one multipart message (raises WireError)."""
+    """Validate and decode one multipart message of bytes or zmq.Frames (raises WireError)."""
     if len(frames) not in (1, 2):
         raise WireError("frames", f"expected 1 or 2 frames (envelope[, payload]), got {len(frames)}")
-    buf = frames[0] if isinstance(frames[0], (bytes, memoryview)) else frames[0].buffer
-    pay = None if len(frames) == 1 else (frames[1] if isinstance(frames[1], (bytes, memoryview)) else frames[1].buffer)
-    h, tokens, payload = decode_envelope(memoryview(buf), None if pay is None else memoryview(pay))
+    bufs = [f if isinstance(f, (bytes, memoryview)) else f.buffer for f in frames]
+    h, tokens, payload = decode_envelope(memoryview(bufs[0]), memoryview(bufs[1]) if len(bufs) == 2 else None)
     return Capture(h.site, h.layer, h.phase, h.step, h.run, h.dtype, h.hidden, h.n_tokens, tokens, payload, h.seq,
                    h.sent_ns)
 

@@ -100,13 +100,14 @@ def encode_envelope(run: bytes, site: bytes, phase: int, dtype: int, step: int, 
     return b"".join((site, b"\x00", head, run, tokens, payload))
 
 
-_site_layers: dict[bytes, int] = {}  # validated site names -> layer (bounded: see site_layer_of)
+_sites_seen: dict[bytes, tuple[str, int]] = {}  # validated site names -> (name, layer); bounded
+_runs_seen: dict[bytes, str] = {}
 
 
-def site_layer_of(site: bytes) -> int:
-    """Layer of a valid concrete site name (-1 for global sites); WireError otherwise."""
-    layer = _site_layers.get(site)
-    if layer is None:
+def site_layer_of(site: bytes) -> tuple[str, int]:
+    """(name, layer) of a valid concrete site name (layer -1 for global sites); WireError otherwise."""
+    got = _sites_seen.get(site)
+    if got is None:
         try:
             name = site.decode("ascii")
         except UnicodeDecodeError:
@@ -114,36 +115,38 @@ def site_layer_of(site: bytes) -> int:
         m = _SITE_RE.fullmatch(name)
         if m is None:
             raise WireError("site", f"{name[:40]!r} is not a site name (embed, layers.N.NAME, final_norm, logits)")
-        layer = int(m[1]) if m[1] is not None else -1
-        if len(_site_layers) < 4096:  # hostile peers must not grow this without bound
-            _site_layers[site] = layer
-    return layer
+        got = (name, int(m[1]) if m[1] is not None else -1)
+        if len(_sites_seen) < 4096:  # hostile peers must not grow this without bound
+            _sites_seen[site] = got
+    return got
 
 
 def decode_envelope(buf: memoryview, payload_frame: memoryview | None) -> tuple[Header, memoryview, memoryview]:
     """(header, tokens, payload) of one capture; raises WireError on anything inconsistent."""
     size = len(buf)
     cut = bytes(buf[:64]).find(b"\x00")
-    if cut <= 0 or size < cut + 1 + HEADER.size:
-        if size >= cut + 1 + _MAGIC_VERSION.size and cut > 0:
-            _check_magic_version(buf, cut + 1)
-        raise WireError("truncated", f"envelope truncated or without a site terminator ({size} bytes)")
     start = cut + 1
-    _check_magic_version(buf, start)
-    _, _, phase, dtype, step, layer, hidden, n, lrun, lsite, seq, sent_ns = HEADER.unpack_from(buf, start)
-    if phase >= len(PHASES):
+    if cut <= 0 or size < start + HEADER.size:
+        if cut > 0 and size >= start + _MAGIC_VERSION.size:
+            _check_magic_version(buf, start)
+        raise WireError("truncated", f"envelope truncated or without a site terminator ({size} bytes)")
+    magic, version, phase, dtype, step, layer, hidden, n, lrun, lsite, seq, sent_ns = HEADER.unpack_from(buf, start)
+    if magic != MAGIC or version != VERSION:
+        _check_magic_version(buf, start)
+    if phase >= 3:
         raise WireError("phase", f"unknown phase code {phase}")
     itemsize = _ITEMSIZE.get(dtype)
     if itemsize is None:
         raise WireError("dtype", f"unknown dtype code {dtype}")
     if lsite != cut:
         raise WireError("site", f"site length {lsite} does not match the topic ({cut} bytes)")
-    site_b = bytes(buf[:cut])
-    if site_layer_of(site_b) != layer:
+    site, site_layer = site_layer_of(bytes(buf[:cut]))
+    if site_layer != layer:
         raise WireError("site", f"layer {layer} does not match the site name")
     if n == 0 or hidden == 0:
         raise WireError("length", "empty capture")
-    tok_at = start + HEADER.size + lrun
+    run_at = start + HEADER.size
+    tok_at = run_at + lrun
     pay_at = tok_at + 24 * n
     if pay_at > size:
         raise WireError("length", f"envelope of {size} bytes cannot hold {n} tokens and a {lrun}-byte run id")
@@ -158,11 +161,16 @@ def decode_envelope(buf: memoryview, payload_frame: memoryview | None) -> tuple[
         if len(payload_frame) != nbytes:
             raise WireError("length", f"payload has {len(payload_frame)} bytes, expected {nbytes} ({n} x {hidden})")
         payload = payload_frame
-    try:
-        run = str(buf[start + HEADER.size : tok_at], "utf-8")
-    except UnicodeDecodeError:
-        raise WireError("utf8", "run id is not UTF-8") from None
-    header = Header(run, site_b.decode("ascii"), PHASES[phase], DTYPES[dtype], step, layer, hidden, n, seq, sent_ns)
+    run_b = bytes(buf[run_at:tok_at])
+    run = _runs_seen.get(run_b)
+    if run is None:
+        try:
+            run = run_b.decode("utf-8")
+        except UnicodeDecodeError:
+            raise WireError("utf8", "run id is not UTF-8") from None
+        if len(_runs_seen) < 4096:
+            _runs_seen[run_b] = run
+    header = Header(run, site, PHASES[phase], DTYPES[dtype], step, layer, hidden, n, seq, sent_ns)
     return header, buf[tok_at:pay_at], payload
 
 
