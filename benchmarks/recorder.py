@@ -148,8 +148,10 @@ def _load_batches(rec_dir: Path, fmt: str) -> list[pa.RecordBatch]:
     """The recording's record batches as owned in-memory copies (nothing is read from disk while timing)."""
     batches = [b for f in sorted(rec_dir.glob(f"*.{fmt}")) for b in
                (pq.ParquetFile(f).iter_batches(batch_size=1 << 30) if fmt == "parquet"
-                else pa.ipc.open_stream(pa.memory_map(str(f))))]
-    return [pa.RecordBatch.from_arrays([pa.concat_arrays([c]) for c in b.columns], schema=b.schema) for b in batches]
+                else pa.ipc.open_file(pa.memory_map(str(f))).read_all().to_batches())]
+    batches = [pa.RecordBatch.from_arrays([pa.concat_arrays([c]) for c in b.columns], schema=b.schema) for b in batches]
+    # One dictionary for all: each recorded file has its own, and one IPC file allows only one.
+    return pa.Table.from_batches(batches).unify_dictionaries().to_batches()
 
 
 def _raw(batches: list[pa.RecordBatch], path: Path, fmt: str, hidden: int) -> float:
@@ -162,7 +164,7 @@ def _raw(batches: list[pa.RecordBatch], path: Path, fmt: str, hidden: int) -> fl
                              use_dictionary=["run", "phase", "site"], write_statistics=cols)
         w.write_table(pa.Table.from_batches(batches), row_group_size=max(1, (64 << 20) // (hidden * 4)))
     else:
-        w = pa.ipc.new_stream(sink, batches[0].schema)
+        w = pa.ipc.new_file(sink, batches[0].schema)
         for b in batches:
             w.write_batch(b)
     w.close()

@@ -4,7 +4,7 @@
     batcher = Batcher(pool, flush_bytes=8 << 20, flush_seconds=0.25, emit=queue.put)
     batcher.add(capture, run_code, phase_code, site_code, now)   # receiver thread
     ...
-    batch = BatchBuilder().build(slab, slab.describe(), schema)   # writer thread
+    batches = BatchBuilder().build(slab, slab.describe(), schema, dicts)   # writer thread
     pool.release(slab)                                            # once written
 
 A `Slab` is a preallocated set of column buffers for one activation shape; the
@@ -25,7 +25,7 @@ import torch
 
 from probe import Capture
 
-from ._schema import numpy_storage
+from ._schema import numpy_storage, stored_values
 
 Key = tuple[torch.dtype, int]  # (captured dtype, hidden): one file group
 ID_BYTES = 24  # seq_id, position, token_id (int64 each) per row
@@ -88,7 +88,7 @@ class Slab:
         m = np.array(self.meta, dtype=np.int64).reshape(-1, 6)
         return SlabInfo(m, len(self.meta), self.rows, set(m[:, 1].tolist()), set(m[:, 2].tolist()),
                         set(m[:, 3].tolist()), set(m[:, 4].tolist()), int(m[:, 0].min()), int(m[:, 0].max()),
-                        (int(m[-1, 1]), int(m[-1, 0])))
+                        (int(m[-1, 1]), int(m[-1, 0])), tuple(int(x) for x in m[:, 1:4].max(axis=0)))
 
 
 @dataclass
@@ -103,6 +103,7 @@ class SlabInfo:
     step_lo: int
     step_hi: int
     last: tuple[int, int]  # (run code, step) of the newest capture
+    max_codes: tuple[int, ...]  # highest run, phase, site code used: the dictionaries must be longer
 
     def column(self, j: int, dtype: type) -> np.ndarray:
         return np.repeat(self.meta[:, j].astype(dtype), self.meta[:, 5])
@@ -233,15 +234,20 @@ class Batcher:
 class Dictionaries:
     """Append-only string -> code maps for the dictionary-encoded columns.
 
-    Codes never change, so every batch of a file can share one growing dictionary;
-    a new string makes the IPC writer emit one replacement dictionary (deltas would
-    be smaller, but polars cannot read delta dictionaries).
+    Codes never change, and each file keeps the dictionaries it started with (the IPC
+    file format allows neither replacement nor, for polars, deltas), so the recorder
+    seeds them with every value it can know up front -- all phases, the session's
+    sites and run -- and a file is only rotated early when a string appears that its
+    dictionaries lack (a site added mid-run, a new run on the endpoint).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, runs: tuple[str, ...] = (), phases: tuple[str, ...] = (), sites: tuple[str, ...] = ()) -> None:
         self.codes: dict[str, dict[str, int]] = {"run": {}, "phase": {}, "site": {}}
         self.values: dict[str, tuple[str, ...]] = {"run": (), "phase": (), "site": ()}
         self._cache: dict[tuple[str, str, str], tuple[int, int, int]] = {}
+        for column, values in (("run", runs), ("phase", phases), ("site", sites)):
+            for v in values:
+                self.code(column, v)
 
     def code(self, column: str, value: str) -> int:
         m = self.codes[column]
@@ -264,11 +270,24 @@ class Dictionaries:
         return v["run"], v["phase"], v["site"]
 
 
-class BatchBuilder:
-    """Writer-side: wraps a filled slab as a RecordBatch (no copy) under a file schema."""
+def covers(dicts: tuple[tuple[str, ...], ...], info: SlabInfo) -> bool:
+    """True if a file's dictionaries hold every code this slab uses."""
+    return all(code < len(d) for code, d in zip(info.max_codes, dicts, strict=True))
 
-    def __init__(self) -> None:
+
+MAX_LIST_VALUES = (1 << 31) - 1  # a list array's int32 offsets: split batches beyond this
+
+
+class BatchBuilder:
+    """Writer-side: wraps a filled slab as record batches under a file's schema and dictionaries.
+
+    `token_text(ids) -> pa.Array` (optional) turns token ids into their strings.
+    """
+
+    def __init__(self, token_text: Callable[[np.ndarray], pa.Array] | None = None) -> None:
         self._dict_cache: dict[tuple[str, ...], pa.Array] = {}
+        self._offsets: dict[int, np.ndarray] = {}
+        self.token_text = token_text
 
     def _dict(self, values: tuple[str, ...]) -> pa.Array:
         arr = self._dict_cache.get(values)
@@ -276,13 +295,28 @@ class BatchBuilder:
             arr = self._dict_cache[values] = pa.array(values, pa.string())
         return arr
 
-    def build(self, slab: Slab, info: SlabInfo, schema: pa.Schema) -> pa.RecordBatch:
-        n = slab.rows
-        act_type = schema.field("activation").type
-        act = pa.FixedSizeListArray.from_arrays(pa.array(slab.values[:n].reshape(-1)), type=act_type)
+    def _list_offsets(self, n: int, hidden: int) -> pa.Array:
+        cached = self._offsets.get(hidden)
+        if cached is None or len(cached) < n + 1:
+            cached = self._offsets[hidden] = np.arange(0, (max(n, 1024) + 1) * hidden, hidden, dtype=np.int32)
+        return pa.array(cached[: n + 1])
+
+    def build(self, slab: Slab, info: SlabInfo, schema: pa.Schema,
+              dicts: tuple[tuple[str, ...], ...]) -> list[pa.RecordBatch]:
+        n, hidden = slab.rows, slab.hidden
+        values = stored_values(slab.values[:n].reshape(-1), slab.dtype)
         runs, phases, sites = (pa.DictionaryArray.from_arrays(pa.array(info.column(j, np.int32)), self._dict(d))
-                               for j, d in zip((1, 2, 3), slab.dicts, strict=True))
+                               for j, d in zip((1, 2, 3), dicts, strict=True))
         ids = [pa.array(slab.ids[i, :n]) for i in range(3)]
-        return pa.RecordBatch.from_arrays(
-            [runs, pa.array(info.column(0, np.int64)), phases, ids[0], ids[1], ids[2], sites,
-             pa.array(info.column(4, np.int32)), act], schema=schema)
+        tokens = self.token_text(slab.ids[2, :n]) if self.token_text is not None else pa.nulls(n, pa.string())
+        step, layer = pa.array(info.column(0, np.int64)), pa.array(info.column(4, np.int32))
+        out = []
+        per = max(1, MAX_LIST_VALUES // hidden)
+        for lo in range(0, n, per):
+            hi = min(n, lo + per)
+            act = pa.ListArray.from_arrays(self._list_offsets(hi - lo, hidden),
+                                           pa.array(values[lo * hidden: hi * hidden]))
+            cols = [runs, step, phases, ids[0], ids[1], ids[2], tokens, sites, layer]
+            cols = [c if (lo, hi) == (0, n) else c.slice(lo, hi - lo) for c in cols]
+            out.append(pa.RecordBatch.from_arrays([*cols, act], schema=schema))
+        return out

@@ -70,7 +70,8 @@ def summary_table(s: RecordingSummary) -> Table:
     status = "[green]complete" if s.clean else ("[red]failed" if s.error else "[yellow]incomplete")
     rows = [("status", status), ("rows", f"{s.rows:,}"), ("captures", f"{s.captures:,} of {s.received:,} received"),
             ("bytes", f"{_mb(s.bytes)} MB in {len(s.files)} files"), ("seconds", f"{s.seconds:.2f}"),
-            ("dropped", f"{s.dropped} (gaps {s.gaps}, malformed {s.malformed}, unwritten {s.unwritten})")]
+            ("lost", f"{s.dropped} (missed on the bus {s.missed}, unwritten {s.unwritten}; "
+                     f"{s.malformed} malformed frames ignored)")]
     if s.publisher_dropped is not None:
         rows.append(("publisher dropped", str(s.publisher_dropped)))
     if s.truncated:

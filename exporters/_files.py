@@ -1,17 +1,19 @@
-"""The writer's files: Arrow IPC streams while recording, renamed or converted when complete.
+"""The writer's files: Arrow IPC files written in place, renamed or converted when complete.
 
     files = FileSet(Path("rec"), "parquet", rotate_bytes=256 << 20, meta=file_metadata(model))
-    files.write(slab, info, batch)    # appends to the slab's group
+    files.write(slab, info, builder)  # appends to the slab's group (a new file if its dictionaries lack a value)
     files.rotate_if_full(key)         # renames/converts it once it reached rotate_bytes
     files.finish_all()                # every group complete: renamed (arrow) or converted (parquet)
     files.entries()                   # what the manifest lists
 
-Data always goes first into `{group}-{index}.arrow.inprogress`, an Arrow IPC *stream*
-written through an unbuffered file: once `write_batch` returns the batch is in the
-kernel, so a SIGKILL leaves it readable (a stream needs no footer). A complete file
-is renamed into place atomically; in Parquet mode it is first converted to Parquet
-(one row group per ~64 MiB) next to it and the stream is removed. The stream doubles
-as Parquet's crash journal, because a Parquet file without its footer is unreadable.
+Data always goes first into `_{group}-{index}.arrow.inprogress`, an Arrow IPC *file*
+written through an unbuffered OS file. An IPC file is an 8-byte magic, then exactly
+an IPC stream, then a footer: once `write_batch` returns the batch is in the kernel,
+so after a SIGKILL everything past the magic reads as a stream up to the last whole
+batch. Closing writes the footer (what DuckDB, polars, pyarrow.dataset and feather
+need) and the file is renamed into place atomically; in Parquet mode it is converted
+to Parquet (one row group per ~64 MiB) next to it and removed, so it doubles as
+Parquet's crash journal (a Parquet file without its footer is unreadable).
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._batch import Key, Slab, SlabInfo
-from ._schema import PARTIAL_SUFFIX, dtype_name, file_name, recording_schema
+from ._batch import BatchBuilder, Key, Slab, SlabInfo, covers
+from ._schema import PARTIAL_PREFIX, PARTIAL_SUFFIX, dtype_name, file_name, recording_schema
 
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(emit_dictionary_deltas=False)
-_IDENTITY_COLUMNS = ["run", "step", "phase", "seq_id", "position", "token_id", "site", "layer"]
+_IDENTITY_COLUMNS = ["run", "step", "phase", "seq_id", "position", "token_id", "token", "site", "layer"]
 
 
 def open_sink(path: str) -> pa.NativeFile:
@@ -81,7 +83,8 @@ class _Open:
     partial: Path
     final: Path
     sink: pa.NativeFile
-    writer: pa.ipc.RecordBatchStreamWriter
+    writer: pa.ipc.RecordBatchFileWriter
+    dicts: tuple[tuple[str, ...], ...]  # fixed for the file's life: the IPC file format allows one dictionary
 
 
 class FileSet:
@@ -104,10 +107,15 @@ class FileSet:
             s = self.schemas[key] = recording_schema(key[0], key[1], self.meta)
         return s
 
-    def write(self, slab: Slab, info: SlabInfo, batch: pa.RecordBatch) -> None:
+    def write(self, slab: Slab, info: SlabInfo, builder: BatchBuilder) -> None:
         key = (slab.dtype, slab.hidden)
-        o = self.open.get(key) or self._start(key)
-        o.writer.write_batch(batch)
+        o = self.open.get(key)
+        if o is not None and not covers(o.dicts, info):
+            self.finish(key)  # a run or site this file's dictionaries lack: start the next file
+            o = None
+        o = o or self._start(key, slab.dicts)
+        for batch in builder.build(slab, info, self.schema(key), o.dicts):
+            o.writer.write_batch(batch)
         o.entry.add(info)
         o.entry.bytes = o.sink.tell()
 
@@ -120,17 +128,18 @@ class FileSet:
         self.finish(key)
         return True
 
-    def _start(self, key: Key) -> _Open:
+    def _start(self, key: Key, dicts: tuple[tuple[str, ...], ...]) -> _Open:
         final = self.directory / file_name(key[0], key[1], self._index, self.fmt)
-        partial = self.directory / (file_name(key[0], key[1], self._index, "arrow") + PARTIAL_SUFFIX)
+        partial = self.directory / (PARTIAL_PREFIX + file_name(key[0], key[1], self._index, "arrow") + PARTIAL_SUFFIX)
         self._index += 1
         sink = open_sink(str(partial))
         try:
-            writer = pa.ipc.new_stream(sink, self.schema(key), options=_IPC_OPTIONS)
+            writer = pa.ipc.new_file(sink, self.schema(key), options=_IPC_OPTIONS)
         except BaseException:
             sink.close()
             raise
-        o = self.open[key] = _Open(FileEntry(final.name, dtype_name(key[0]), key[1]), partial, final, sink, writer)
+        entry = FileEntry(final.name, dtype_name(key[0]), key[1])
+        o = self.open[key] = _Open(entry, partial, final, sink, writer, dicts)
         return o
 
     def finish(self, key: Key) -> FileEntry:
@@ -138,7 +147,7 @@ class FileSet:
         o = self.open.pop(key)
         self.stranded.append(o)
         try:
-            o.writer.close()  # end-of-stream marker: the file is a complete IPC stream
+            o.writer.close()  # the footer: now a complete IPC file
         finally:
             o.sink.close()
         if self.fmt == "parquet":
@@ -164,15 +173,16 @@ class FileSet:
         self.open.clear()
 
     def _to_parquet(self, partial: Path, final: Path) -> int:
-        tmp = final.with_name(final.name + ".tmp")
+        tmp = final.with_name(PARTIAL_PREFIX + final.name + ".tmp")
         with pa.memory_map(str(partial)) as src:
-            reader = pa.ipc.open_stream(src)
+            ipc = pa.ipc.open_file(src)
+            reader = (ipc.get_batch(i) for i in range(ipc.num_record_batches))
             sink = open_sink(str(tmp))
             try:
                 # Activations barely compress and need no statistics; identity columns benefit from both.
                 writer = pq.ParquetWriter(
-                    sink, reader.schema, compression={c: "zstd" for c in _IDENTITY_COLUMNS} | {"activation": "none"},
-                    use_dictionary=["run", "phase", "site"], write_statistics=_IDENTITY_COLUMNS,
+                    sink, ipc.schema, compression={c: "zstd" for c in _IDENTITY_COLUMNS} | {"activation": "none"},
+                    use_dictionary=["run", "phase", "site", "token"], write_statistics=_IDENTITY_COLUMNS,
                     store_schema=True)
                 group: list[pa.RecordBatch] = []
                 size = 0

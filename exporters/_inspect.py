@@ -16,17 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from ._reader import iter_recording, recording_info
-from ._schema import activation_dtype, dtype_name
-
-
-def as_float32(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """Recorded storage -> float32 (bf16 bits become the top half of a float32)."""
-    if dtype == torch.bfloat16:
-        return (values.astype(np.uint32) << 16).view(np.float32)
-    return values.astype(np.float32, copy=False)
+from ._schema import activation_dtype, activation_values, dtype_name
 
 
 class _Site:
@@ -52,9 +44,10 @@ def summarize_recording(path: str | Path) -> dict[str, Any]:
     for batch in iter_recording(path):
         field = batch.schema.field("activation")
         dtype = activation_dtype(field)
-        hidden = field.type.list_size
-        vals = batch.column("activation").flatten().to_numpy(zero_copy_only=False).reshape(-1, hidden)
-        norms = np.linalg.norm(as_float32(vals, dtype), axis=1)
+        flat = activation_values(field, batch.column("activation").flatten().to_numpy(zero_copy_only=False))
+        hidden = len(flat) // max(1, batch.num_rows)  # one file, one width
+        vals = flat.reshape(-1, hidden)
+        norms = np.linalg.norm(vals.astype(np.float32, copy=False), axis=1)
         site_col, run_col = batch.column("site"), batch.column("run")
         site_codes = site_col.indices.to_numpy()
         run_map = np.array([runs.setdefault(r, len(runs)) for r in run_col.dictionary.to_pylist()] or [0], np.int64)

@@ -1,17 +1,18 @@
 """Reading recordings back: tables, filtered batch streams, torch tensors.
 
-    table = exporters.read_recording("rec/", sites="layers.*.resid_post", phase="decode")
+    rec = exporters.read_recording("rec/", sites="layers.*.resid_post", phase="decode")
+    rec.cache(0)["layers.3.resid_post"]          # [pos, d_model] of sequence 0 (see Recording)
     for batch in exporters.iter_recording("rec/", layers=[3, 4]):   # bounded memory
         ...
     acts = exporters.activations("rec/", site="layers.3.resid_post")
     acts.tensor            # [N, hidden] torch tensor in the captured dtype (bf16 restored)
-    acts.seq_id, acts.position, acts.token_id, acts.step
 
 Filters are pushed down: files whose manifest entry cannot match are not opened;
 Parquet files are scanned with a pyarrow.dataset filter (row-group statistics);
-Arrow streams are filtered batch by batch on the dictionary codes before the
-activation column is touched. In-progress streams (a live or killed recorder) are
-read up to their last complete batch.
+Arrow files are filtered batch by batch on the dictionary codes before the
+activation column is touched. In-progress files (a live or killed recorder) are
+read up to their last complete batch. Recordings of format 1 (IPC streams,
+fixed-size lists, bf16 as uint16 bits) still read.
 """
 
 from __future__ import annotations
@@ -21,15 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-import torch
 
 import probe
 
-from ._schema import FILE_RE, PARTIAL_RE, activation_dtype, read_manifest
+from ._schema import FILE_RE, IPC_FILE_MAGIC, PARTIAL_RE, PARTIAL_SUFFIX, read_manifest
 
 
 @dataclass(frozen=True)
@@ -101,34 +100,56 @@ class _Filter:
 
 
 def recording_files(path: str | Path) -> tuple[list[Path], list[Path]]:
-    """(complete files, in-progress streams) of a recording directory, in recording order."""
+    """(complete files, in-progress files) of a recording directory, in recording order.
+
+    A path to one data file is a recording of that file alone. Raises FileNotFoundError
+    (with what to do) for a missing path or a directory that holds no recording.
+    """
     p = Path(path)
     if p.is_file():
-        return ([p], []) if not p.name.endswith(".inprogress") else ([], [p])
+        if p.name.endswith(PARTIAL_SUFFIX):
+            return [], [p]
+        if p.suffix in (".arrow", ".parquet", ".feather", ".ipc"):
+            return [p], []
+        raise FileNotFoundError(f"{p} is a file but not a recording's data file (.arrow or .parquet); pass the "
+                                "recording's directory")
     if not p.is_dir():
-        raise FileNotFoundError(f"no recording at {p}")
+        raise FileNotFoundError(f"no recording at {p}: no such file or directory")
 
     def index(f: Path) -> int:
         m = FILE_RE.match(f.name) or PARTIAL_RE.match(f.name)
         return int(m["index"]) if m else 0
 
-    done = sorted((f for f in p.iterdir() if FILE_RE.match(f.name)), key=index)
-    partial = sorted((f for f in p.iterdir() if PARTIAL_RE.match(f.name)), key=index)
+    names = list(p.iterdir())
+    done = sorted((f for f in names if FILE_RE.match(f.name)), key=index)
+    partial = sorted((f for f in names if PARTIAL_RE.match(f.name)), key=index)
+    if not done and not partial and read_manifest(p) is None:
+        raise FileNotFoundError(f"{p} holds no probebus recording (no _manifest.json, no .arrow/.parquet files); "
+                                "record one with `probebus record --out DIR`")
     return done, partial
 
 
 def stream_batches(path: Path, *, strict: bool) -> Iterator[pa.RecordBatch]:
-    """Batches of an Arrow IPC stream; with strict=False stop quietly at a truncated tail."""
+    """Batches of one data file: a complete IPC file, an IPC file still being written (or cut by a
+    crash: everything after its magic is a stream), or a format-1 IPC stream. With strict=False a
+    truncated tail ends the iteration quietly."""
     src = pa.memory_map(str(path))  # not closed here: yielded batches point into the map
     try:
-        reader = pa.ipc.open_stream(src)
-    except (pa.ArrowInvalid, OSError):
+        is_file = src.read(len(IPC_FILE_MAGIC)) == IPC_FILE_MAGIC
+        if is_file and not path.name.endswith(PARTIAL_SUFFIX):
+            reader = pa.ipc.open_file(src)
+            yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+            return
+        src.seek(len(IPC_FILE_MAGIC) if is_file else 0)
+        stream = pa.ipc.open_stream(src)
+    except (pa.ArrowInvalid, OSError) as exc:
         if strict:
-            raise
+            raise pa.ArrowInvalid(f"{path} is not a readable Arrow file ({exc}); it may be truncated or "
+                                  "not a probebus recording") from None
         return
     while True:
         try:
-            batch = reader.read_next_batch()
+            batch = stream.read_next_batch()
         except StopIteration:
             return
         except (pa.ArrowInvalid, OSError):
@@ -197,58 +218,63 @@ def recording_reader(path: str | Path, **filters: Any) -> pa.RecordBatchReader:
     first = next(it, None)
     if first is None:
         raise ValueError(f"no rows in {path} match {filters or 'anything'}")
-    schema = first.schema
+    schema = _neutral(first.schema)
 
     def gen() -> Iterator[pa.RecordBatch]:
-        yield first
+        yield _conform(first, schema)
         for b in it:
             yield _conform(b, schema)
 
     return pa.RecordBatchReader.from_batches(schema, gen())
 
 
+def _neutral(schema: pa.Schema) -> pa.Schema:
+    """A schema every file of the recording fits: no per-file width in the activation's metadata."""
+    if "activation" not in schema.names:
+        return schema
+    i = schema.get_field_index("activation")
+    f = schema.field(i)
+    md = {k: v for k, v in (f.metadata or {}).items() if k != b"probebus.hidden"}
+    typ = pa.list_(f.type.value_type) if pa.types.is_fixed_size_list(f.type) else f.type  # format 1: fixed lists
+    return schema.set(i, pa.field("activation", typ, f.nullable, metadata=md or None))
+
+
 def _conform(b: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
-    if b.schema.equals(schema, check_metadata=False):
+    if b.schema.equals(schema, check_metadata=True):
         return b
-    if b.schema.field("activation").type != schema.field("activation").type:
-        raise ValueError(f"recording mixes activation types {schema.field('activation').type} and "
-                         f"{b.schema.field('activation').type}; select sites of one shape (sites=...)")
-    return pa.RecordBatch.from_arrays(b.columns, schema=schema)
+    cols = b.columns
+    if "activation" in b.schema.names:
+        i = b.schema.get_field_index("activation")
+        have, want = b.schema.field(i).type, schema.field(i).type
+        if have.value_type != want.value_type:
+            raise ValueError(f"recording mixes activation types {want} and {have}; select sites of one dtype "
+                             "(sites=...)")
+        if have != want:
+            cols = [*cols[:i], cols[i].cast(want), *cols[i + 1:]]
+    if "token" in schema.names and "token" not in b.schema.names:  # format 1 files had no token column
+        j = schema.get_field_index("token")
+        cols = [*cols[:j], pa.nulls(b.num_rows, pa.string()), *cols[j:]]
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
 
 
-def read_recording(path: str | Path, *, sites: Any = None, layers: Any = None, phase: Any = None, runs: Any = None,
-                   columns: list[str] | None = None, include_partial: bool = True) -> pa.Table:
-    """Matching rows as one pyarrow Table (activations keep their recorded dtype; bf16 as raw uint16).
-
-    A recording that mixes activation widths (e.g. residuals and logits) is returned
-    with `activation` as a variable-size list; filter by site to keep it fixed-size.
-    """
+def read_table(path: str | Path, *, sites: Any = None, layers: Any = None, phase: Any = None, runs: Any = None,
+               columns: list[str] | None = None, include_partial: bool = True) -> pa.Table:
+    """Matching rows as one pyarrow Table (activations as stored: float32 for 16-bit captures)."""
     batches = list(iter_recording(path, sites=sites, layers=layers, phase=phase, runs=runs, columns=columns,
                                   include_partial=include_partial))
     if not batches:
         schema = _any_schema(Path(path))
         if columns and schema is not None:
             schema = pa.schema([schema.field(c) for c in columns], metadata=schema.metadata)
-        return schema.empty_table() if schema is not None else pa.table({})
-    types = {b.schema.field("activation").type for b in batches if "activation" in b.schema.names}
-    if len(types) > 1:
-        batches = _widen(batches)
-    schema = batches[0].schema
+        return _neutral(schema).empty_table() if schema is not None else pa.table({})
+    schema = _neutral(batches[0].schema)
+    if "activation" in schema.names:
+        dtypes = {(b.schema.field("activation").metadata or {}).get(b"probebus.dtype") for b in batches}
+        if len(dtypes) > 1:  # e.g. bf16 residuals and fp32 logits: both float32 on disk, the name is per file
+            i = schema.get_field_index("activation")
+            f = schema.field(i)
+            schema = schema.set(i, f.with_metadata({**(f.metadata or {}), b"probebus.dtype": b"mixed"}))
     return pa.Table.from_batches([_conform(b, schema) for b in batches], schema=schema)
-
-
-def _widen(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
-    values = {b.schema.field("activation").type.value_type for b in batches}
-    if len(values) > 1:
-        raise ValueError(f"recording mixes activation dtypes {sorted(map(str, values))}; select sites of one dtype")
-    out = []
-    for b in batches:
-        i = b.schema.get_field_index("activation")
-        f = b.schema.field(i)
-        col = b.column(i).cast(pa.list_(f.type.value_field))
-        md = {k: v for k, v in (f.metadata or {}).items() if k != b"probebus.hidden"}
-        out.append(b.set_column(i, pa.field("activation", col.type, f.nullable, metadata=md), col))
-    return out
 
 
 def _any_schema(p: Path) -> pa.Schema | None:
@@ -256,79 +282,29 @@ def _any_schema(p: Path) -> pa.Schema | None:
     for f in done + partial:
         if f.suffix == ".parquet":
             return ds.dataset(str(f), format="parquet").schema
-        try:
-            return pa.ipc.open_stream(pa.memory_map(str(f))).schema
-        except (pa.ArrowInvalid, OSError):
-            continue
+        for b in stream_batches(f, strict=False):
+            return b.schema
     return None
 
 
 def open_dataset(path: str | Path) -> ds.Dataset:
-    """A pyarrow.dataset over a Parquet recording's complete files (lazy; filters push down)."""
+    """A pyarrow.dataset over a recording's complete files (lazy; filters push down), Arrow or Parquet."""
     done, _ = recording_files(path)
-    files = [str(f) for f in done if f.suffix == ".parquet"]
-    if not files:
-        raise ValueError(f"{path} has no complete Parquet files; Arrow IPC streams cannot back a Dataset "
-                         "(use iter_recording / recording_reader, or record with format='parquet')")
-    return ds.dataset(files, format="parquet")
-
-
-@dataclass
-class Activations:
-    """One site's rows as torch tensors: `tensor[i]` belongs to (run[i], seq_id[i], position[i])."""
-
-    tensor: torch.Tensor  # [N, hidden], captured dtype
-    site: list[str]
-    layer: torch.Tensor
-    run: list[str]
-    phase: list[str]
-    step: torch.Tensor
-    seq_id: torch.Tensor
-    position: torch.Tensor
-    token_id: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.tensor.shape[0]
-
-
-def activations(source: str | Path | pa.Table | pa.RecordBatch, site: str | None = None,
-                **filters: Any) -> Activations:
-    """Rows of one site (or any single-site selection) as a [N, hidden] tensor plus identity columns."""
-    if isinstance(source, (str, Path)):
-        table = read_recording(source, sites=site, **filters)
-    else:
-        table = pa.Table.from_batches([source]) if isinstance(source, pa.RecordBatch) else source
-        if site is not None or filters:
-            flt = _Filter.make(site, filters.get("layers"), filters.get("phase"), filters.get("runs"))
-            table = pa.Table.from_batches(list(_filtered(iter(table.to_batches()), flt, None)), schema=table.schema)
-    names = pc.unique(table.column("site").cast(pa.string())).to_pylist() if table.num_rows else []
-    if len(names) > 1:
-        raise ValueError(f"rows of {len(names)} sites selected ({', '.join(names[:6])}...); pass site=")
-    field = table.schema.field("activation")
-    if not pa.types.is_fixed_size_list(field.type):
-        raise ValueError("activation column is not fixed-size here; select one site")
-    dtype = activation_dtype(field)
-    hidden = field.type.list_size
-    flat = table.column("activation").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-    arr = np.array(flat, copy=True).reshape(-1, hidden)  # owned and writable: torch tensors may be mutated
-    tensor = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if dtype == torch.bfloat16 \
-        else torch.from_numpy(arr)
-
-    def ints(name: str) -> torch.Tensor:
-        return torch.from_numpy(np.array(table.column(name).to_numpy(), copy=True))
-
-    def strs(name: str) -> list[str]:
-        return table.column(name).cast(pa.string()).to_pylist()
-
-    return Activations(tensor, strs("site"), ints("layer"), strs("run"), strs("phase"), ints("step"),
-                       ints("seq_id"), ints("position"), ints("token_id"))
+    parquet = [str(f) for f in done if f.suffix == ".parquet"]
+    arrow = [str(f) for f in done if f.suffix == ".arrow"]
+    if not parquet and not arrow:
+        raise ValueError(f"{path} has no complete files yet (a recorder is running or was killed); "
+                         "iter_recording / read_recording also read the in-progress ones")
+    if parquet and arrow:
+        return ds.dataset([ds.dataset(parquet, format="parquet"), ds.dataset(arrow, format="ipc")])
+    return ds.dataset(parquet or arrow, format="parquet" if parquet else "ipc")
 
 
 def recording_info(path: str | Path) -> dict[str, Any]:
     """The manifest plus what the files say: was the stop clean, what can be salvaged, what was lost."""
     p = Path(path)
-    man = read_manifest(p) or {}
     done, partial = recording_files(p)
+    man = (read_manifest(p) if p.is_dir() else None) or {}
     salvaged = {}
     for f in partial:
         salvaged[f.name] = sum(b.num_rows for b in stream_batches(f, strict=False))
@@ -340,4 +316,5 @@ def recording_info(path: str | Path) -> dict[str, Any]:
         "files": [f.name for f in done], "partial_files": salvaged, "salvaged_rows": sum(salvaged.values()),
         "manifest_rows": (man.get("counts") or {}).get("rows"), "lost": man.get("lost", "unknown"),
         "last_written": man.get("last_written"), "error": man.get("error"), "counts": man.get("counts", {}),
+        "interrupted_by": man.get("interrupted_by"),
     }

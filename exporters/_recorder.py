@@ -26,12 +26,25 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 import probe
 
 from ._batch import BatchBuilder, Batcher, Dictionaries, Slab, SlabPool
 from ._files import FileSet
 from ._gaps import GapCounter
-from ._schema import FILE_RE, FORMAT, FORMAT_VERSION, MANIFEST, PARTIAL_RE, file_metadata, write_json_atomic
+from ._schema import (
+    FILE_RE,
+    FORMAT,
+    FORMAT_VERSION,
+    LEGACY_MANIFEST,
+    MANIFEST,
+    PARTIAL_RE,
+    PROMPTS,
+    file_metadata,
+    write_json_atomic,
+)
+from ._text import TokenText, append_prompts
 
 FORMATS = ("arrow", "parquet")
 
@@ -46,7 +59,13 @@ class RecorderError(RuntimeError):
 
 @dataclass(frozen=True)
 class RecordingSummary:
-    """What a recorder wrote. `dropped` = malformed + gaps + unwritten (captures this recording misses)."""
+    """What a recorder wrote. `dropped` = missed + unwritten: published captures this recording lacks.
+
+    `missed` comes from the bus' per-site sequence numbers and end-of-stream counts
+    (exact); `gaps` is the older estimate from steps a site skipped, kept as a cross
+    check. `publisher_dropped` (best_effort, a ProbeSession only) never reached the bus.
+    `malformed` counts frames that were not captures at all (not in `dropped`).
+    """
 
     path: str
     rows: int
@@ -56,6 +75,7 @@ class RecordingSummary:
     received: int
     dropped: int
     malformed: int
+    missed: int  # published captures that never arrived (sequence gaps, end-of-stream counts)
     gaps: int  # (step, site) captures detected missing, e.g. best_effort drops
     unwritten: int  # received but not written because writing failed
     publisher_dropped: int | None  # the observed session's own counter, when recording a ProbeSession
@@ -77,7 +97,8 @@ class ArrowRecorder:
                  format: str = "arrow", rotate_bytes: int = 256 << 20, flush_bytes: int = 8 << 20,
                  flush_seconds: float = 0.25, max_pending_bytes: int = 64 << 20, model: Any = None,
                  metadata: dict[str, str] | None = None, drain_idle: float = 0.5, overwrite: bool = False,
-                 curve_server_key: bytes | None = None, manifest_interval: float = 0.5) -> None:
+                 curve_server_key: bytes | None = None, manifest_interval: float = 0.5, tokenizer: Any = None,
+                 info_timeout: float = 2.0) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         if rotate_bytes <= 0 or flush_bytes <= 0 or flush_seconds <= 0:
@@ -94,6 +115,10 @@ class ArrowRecorder:
         self.overwrite = overwrite
         self.manifest_interval = manifest_interval
         self._curve = curve_server_key
+        self._model, self._extra_meta = model, metadata
+        self._token_text = TokenText(tokenizer) if tokenizer is not None else None
+        self.info_timeout = info_timeout
+        self.session_info: Any = None  # the observed session's description (probe.SessionInfo) once known
         self._meta = file_metadata(model, metadata)
         self._files = FileSet(self.path, format, rotate_bytes=rotate_bytes, meta=self._meta)
         self._pool = SlabPool(max_pending_bytes)
@@ -122,11 +147,26 @@ class ArrowRecorder:
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> ArrowRecorder:
-        """Prepare the directory, connect, and start the receiver and writer threads."""
+        """Connect, prepare the directory, and start the receiver and writer threads.
+
+        Recording an endpoint string, start() waits up to `info_timeout` s for the
+        session's description (model, config hash, sites) for the manifest; it records
+        anyway if none comes (`session_info` stays None: maybe nobody serves it yet).
+        """
         if self._state != "new":
             raise RuntimeError("an ArrowRecorder records once; create a new one")
-        self._prepare_dir()
-        self._sub = probe.Subscriber(self.endpoint, self.sites, curve_server_key=self._curve)
+        try:
+            self._sub = probe.Subscriber(self.endpoint, self.sites, curve_server_key=self._curve)
+        except zmq.ZMQError as exc:
+            raise RecorderError(f"cannot connect to endpoint {self.endpoint!r}: {exc}; expected e.g. "
+                                "ipc:///path/to/socket or tcp://127.0.0.1:5555 (`probebus top` lists live "
+                                "sessions)") from None
+        try:
+            self._describe_source()
+            self._prepare_dir()
+        except BaseException:
+            self._sub.close()
+            raise
         self._state = "recording"
         self._t0 = time.monotonic()
         for name, fn in (("probebus-recorder-recv", self._receive), ("probebus-recorder-write", self._write)):
@@ -136,6 +176,35 @@ class ArrowRecorder:
         if self._session is not None:  # so the first forward is not published before we listen
             self._wait_seen(10.0)
         return self
+
+    def _describe_source(self) -> None:
+        """Seed the file dictionaries with what the session will send, and learn its model for the manifest."""
+        session = self._session
+        if session is not None:
+            info = getattr(session, "info", None)
+            run, sites = getattr(session, "run", ""), list(session.sites)
+        else:
+            wait = getattr(self._sub, "wait_info", None)
+            info = wait(self.info_timeout) if wait is not None and self.info_timeout > 0 else None
+            run, sites = (info.run, list(info.sites)) if info is not None else ("", [])
+        self.session_info = info
+        matcher = probe.SiteMatcher(self.sites)
+        self._dicts = Dictionaries(runs=(run,) if run else (), phases=tuple(probe.PHASES),
+                                   sites=tuple(x for x in sites if matcher.matches(x)))
+        if info is not None and self._model is None and getattr(info, "model", ""):
+            self._meta = file_metadata(info.model, self._extra_meta)
+            self._meta["probebus.config_hash"] = getattr(info, "config_hash", "") or ""
+            self._files.meta = self._meta
+            self._files.schemas.clear()
+
+    def add_prompts(self, prompts: list[str], seq_ids: list[int], run: str | None = None) -> None:
+        """Store the text of these sequences' prompts (_prompts.jsonl), e.g. right after their generate call.
+
+        `run` defaults to the observed session's run.
+        """
+        if run is None:
+            run = getattr(self._session, "run", None) or getattr(self.session_info, "run", "") or ""
+        append_prompts(self.path, run, seq_ids, prompts)
 
     def _wait_seen(self, timeout: float) -> None:
         """Block until the session's publisher has registered *this* subscriber (a count would race)."""
@@ -218,11 +287,11 @@ class ArrowRecorder:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             ours = [p for p in self.path.iterdir()
-                    if p.name in (MANIFEST, MANIFEST + ".tmp") or FILE_RE.match(p.name) or PARTIAL_RE.match(p.name)
-                    or p.name.endswith(".parquet.tmp")]
+                    if p.name in (MANIFEST, MANIFEST + ".tmp", PROMPTS, LEGACY_MANIFEST) or FILE_RE.match(p.name)
+                    or PARTIAL_RE.match(p.name) or p.name.endswith(".parquet.tmp")]
             if ours and not self.overwrite:
                 raise RecorderError(f"{self.path} already holds a recording ({len(ours)} files); record into a new "
-                                    "directory or pass overwrite=True")
+                                    "directory, or replace it with --overwrite (overwrite=True in Python)")
             for p in ours:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
             self._started_at = _now()
@@ -283,7 +352,7 @@ class ArrowRecorder:
 
     # --- writer thread -------------------------------------------------------------------
     def _write(self) -> None:
-        builder = BatchBuilder()
+        builder = BatchBuilder(self._token_text)
         files = self._files
         while True:
             slab = self._queue.get()
@@ -296,7 +365,7 @@ class ArrowRecorder:
                     continue
                 key = (slab.dtype, slab.hidden)
                 info = slab.describe()
-                files.write(slab, info, builder.build(slab, info, files.schema(key)))
+                files.write(slab, info, builder)
                 written = True
                 self._rows += slab.rows
                 self._written += info.captures
@@ -341,9 +410,11 @@ class ArrowRecorder:
     def _counts(self) -> dict[str, Any]:
         sub = self._sub
         malformed = sub.stats.malformed if sub is not None else 0
+        missed = getattr(sub.stats, "missed", None) if sub is not None else 0
         pub = self._session.stats.dropped if self._session is not None else None
         return {"received": self._received, "captures_written": self._written, "rows": self._rows,
-                "malformed": malformed, "gaps": self._gaps.total, "unwritten": self._unwritten,
+                "malformed": malformed, "missed": self._gaps.total if missed is None else missed,
+                "gaps": self._gaps.total, "unwritten": self._unwritten,
                 "publisher_dropped": pub,
                 "pending": max(0, self._received - self._written - self._unwritten)}
 
@@ -354,7 +425,7 @@ class ArrowRecorder:
         return RecordingSummary(
             path=str(self.path), rows=c["rows"], bytes=nbytes, files=[str(self.path / n) for n in names],
             captures=c["captures_written"], received=c["received"],
-            dropped=c["malformed"] + c["gaps"] + c["unwritten"], malformed=c["malformed"], gaps=c["gaps"],
+            dropped=c["missed"] + c["unwritten"], malformed=c["malformed"], missed=c["missed"], gaps=c["gaps"],
             unwritten=c["unwritten"], publisher_dropped=c["publisher_dropped"],
             seconds=max(0.0, end - self._t0) if self._t0 else 0.0,
             clean=final and self._error is None and not self._truncated, truncated=self._truncated,
@@ -403,8 +474,10 @@ def _lost_text(state: str, c: dict[str, Any], last: dict | None) -> str:
     if state == "recording":
         return (f"recorder running (or killed): if this manifest is not updated again, {c['pending']} captures "
                 f"received but not yet written and everything published {after} are lost; "
-                "*.inprogress streams hold every batch written so far")
-    parts = [f"{c[k]} {k}" for k in ("unwritten", "gaps", "malformed") if c[k]]
+                "_*.inprogress files hold every batch written so far")
+    parts = [f"{c[k]} {k}" for k in ("missed", "unwritten") if c[k]]
+    if c.get("publisher_dropped"):
+        parts.append(f"{c['publisher_dropped']} dropped by the publisher (best_effort)")
     if state == "failed":
         parts.append(f"everything published {after}")
     return "nothing" if not parts else "; ".join(parts)

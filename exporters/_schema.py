@@ -1,21 +1,28 @@
 """The on-disk layout of a recording: Arrow schema, dtypes, file names, manifest.
 
     schema = recording_schema(torch.bfloat16, 768, file_metadata(model))
-    schema.field("activation").type            # fixed_size_list<uint16>[768]
-    schema.field("activation").metadata        # {b"probebus.dtype": b"bfloat16", ...}
-    storage_dtype(schema.field("activation"))  # torch.bfloat16: what the reader restores
+    schema.field("activation").type            # list<item: float>: float32 on disk
+    schema.field("activation").metadata        # {b"probebus.dtype": b"bfloat16", b"probebus.hidden": b"768"}
+    activation_dtype(schema.field("activation"))  # torch.bfloat16: what `activations()` restores
 
 Long format, one row per (token, site):
 
-    run, step, phase, seq_id, position, token_id, site, layer, activation
+    run, step, phase, seq_id, position, token_id, token, site, layer, activation
 
-`run`, `phase` and `site` are dictionary-encoded strings; `activation` is a
-fixed-size list of the captured dtype. Arrow has no bfloat16, so bf16 rows hold the
-raw 16 bits as uint16 and the field metadata says `probebus.dtype = bfloat16`.
+`run`, `phase` and `site` are dictionary-encoded strings (one fixed dictionary per
+file); `token` is the token's text when the recorder had the tokenizer (else null).
+`activation` is a variable-size list, so files of different widths (residuals and
+logits) share one schema and every reader can open the whole folder at once.
+16-bit captures are stored as float32 (bf16 and fp16 widen exactly; Arrow has no
+bfloat16 and some readers no float16): every reader gets floats, and the field
+metadata `probebus.dtype` names the captured dtype, which `activations()` restores.
 
-A recording directory holds `{dtype}x{hidden}-{index:05d}.arrow|.parquet` (complete,
-renamed into place atomically), `*.arrow.inprogress` (the Arrow IPC stream being
-written; readable up to its last flushed batch) and `manifest.json`.
+A recording directory holds `{dtype}x{hidden}-{index:05d}.arrow|.parquet` (complete
+Arrow IPC *files* or Parquet, renamed into place atomically), `_*.arrow.inprogress`
+(the IPC file being written: its magic, then a plain IPC stream, readable up to the
+last written batch after a crash), `_manifest.json` and, when the recorder was given
+prompts, `_prompts.jsonl`. Names starting with "_" are skipped by folder readers
+(pyarrow.dataset; globs on *.arrow never match them).
 """
 
 from __future__ import annotations
@@ -36,24 +43,35 @@ import torch
 import probe
 
 FORMAT = "probebus.recording"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+FORMAT_VERSION = 2  # 1: IPC streams, fixed-size lists, bf16 as raw uint16 bits (still readable)
+# Everything that is not a complete data file starts with "_" (as Spark's _SUCCESS and _metadata do), so
+# that folder readers -- pyarrow.dataset("rec/", format="ipc") and DuckDB/polars globs -- see data files only.
+MANIFEST = "_manifest.json"
+LEGACY_MANIFEST = "manifest.json"  # format 1
+PROMPTS = "_prompts.jsonl"
+PARTIAL_PREFIX = "_"
 PARTIAL_SUFFIX = ".inprogress"
 FILE_RE = re.compile(r"^(?P<dtype>[a-z0-9]+)x(?P<hidden>\d+)-(?P<index>\d{5,})\.(?P<ext>arrow|parquet)$")
-PARTIAL_RE = re.compile(r"^(?P<dtype>[a-z0-9]+)x(?P<hidden>\d+)-(?P<index>\d{5,})\.arrow\.inprogress$")
+PARTIAL_RE = re.compile(r"^_?(?P<dtype>[a-z0-9]+)x(?P<hidden>\d+)-(?P<index>\d{5,})\.arrow\.inprogress$")
+IPC_FILE_MAGIC = b"ARROW1\x00\x00"  # an IPC file is this, a stream, a footer, and the magic again
 
-# torch dtype -> (Arrow value type, numpy storage dtype). bf16 travels as its raw bits.
+# The one dtype table is probe's wire table; from it: how the receiver holds a capture's
+# bytes (numpy has no bfloat16: raw uint16 bits) and what Arrow type the files store.
+_WIRE_DTYPES: dict[int, torch.dtype] = getattr(probe, "DTYPES", None) or __import__(
+    "probe._wire", fromlist=["DTYPES"]).DTYPES
+_WIDENED = (torch.bfloat16, torch.float16)  # stored as float32
+
+
+def _numpy_of(dtype: torch.dtype) -> np.dtype:
+    return np.dtype(np.uint16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+
+
 _STORAGE: dict[torch.dtype, tuple[pa.DataType, np.dtype]] = {
-    torch.float32: (pa.float32(), np.dtype(np.float32)),
-    torch.float16: (pa.float16(), np.dtype(np.float16)),
-    torch.bfloat16: (pa.uint16(), np.dtype(np.uint16)),
-    torch.float64: (pa.float64(), np.dtype(np.float64)),
-    torch.int64: (pa.int64(), np.dtype(np.int64)),
-    torch.int32: (pa.int32(), np.dtype(np.int32)),
-    torch.uint8: (pa.uint8(), np.dtype(np.uint8)),
+    d: (pa.float32() if d in _WIDENED else pa.from_numpy_dtype(_numpy_of(d)), _numpy_of(d))
+    for d in _WIRE_DTYPES.values()
 }
 
-IDENTITY = ("run", "step", "phase", "seq_id", "position", "token_id", "site", "layer")
+IDENTITY = ("run", "step", "phase", "seq_id", "position", "token_id", "token", "site", "layer")
 DICT_COLUMNS = ("run", "phase", "site")
 
 
@@ -72,14 +90,23 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def numpy_storage(dtype: torch.dtype) -> np.dtype:
-    """numpy dtype whose bytes equal the tensor's (uint16 for bfloat16)."""
+    """numpy dtype whose bytes equal the tensor's (uint16 for bfloat16): how the receiver holds rows."""
     if dtype not in _STORAGE:
         raise TypeError(f"cannot record activations of dtype {dtype}; supported: {sorted(_BY_NAME)}")
     return _STORAGE[dtype][1]
 
 
+def stored_values(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Receiver storage -> what the file holds (16-bit floats widen exactly to float32)."""
+    if dtype == torch.bfloat16:
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    if dtype == torch.float16:
+        return values.astype(np.float32)
+    return values
+
+
 def group_name(dtype: torch.dtype, hidden: int) -> str:
-    """Files are grouped by activation shape: one fixed-size column type per file."""
+    """Files are grouped by activation shape: one width and captured dtype per file."""
     return f"{dtype_name(dtype)}x{hidden}"
 
 
@@ -139,8 +166,8 @@ def recording_schema(dtype: torch.dtype, hidden: int, meta: dict[str, str]) -> p
         numpy_storage(dtype)  # raises the clear error
     dstr = pa.dictionary(pa.int32(), pa.string())
     act_meta = {"probebus.dtype": dtype_name(dtype), "probebus.hidden": str(hidden)}
-    if dtype == torch.bfloat16:
-        act_meta["probebus.storage"] = "raw bfloat16 bits in uint16 (torch: .view(torch.bfloat16))"
+    if dtype in _WIDENED:
+        act_meta["probebus.storage"] = f"float32, widened exactly from the captured {dtype_name(dtype)}"
     return pa.schema(
         [
             pa.field("run", dstr, nullable=False),
@@ -149,26 +176,33 @@ def recording_schema(dtype: torch.dtype, hidden: int, meta: dict[str, str]) -> p
             pa.field("seq_id", pa.int64(), nullable=False),
             pa.field("position", pa.int64(), nullable=False),
             pa.field("token_id", pa.int64(), nullable=False),
+            pa.field("token", pa.string()),
             pa.field("site", dstr, nullable=False),
             pa.field("layer", pa.int32(), nullable=False),
-            pa.field("activation", pa.list_(pa.field("element", value_type, nullable=False), hidden), nullable=False,
-                     metadata=act_meta),
+            pa.field("activation", pa.list_(value_type), nullable=False, metadata=act_meta),
         ],
         metadata=meta,
     )
 
 
 def activation_dtype(field: pa.Field) -> torch.dtype:
-    """The captured torch dtype of an `activation` field (bfloat16 restored from metadata)."""
+    """The captured torch dtype of an `activation` field (from its metadata; bf16/fp16 included)."""
     md = field.metadata or {}
     name = md.get(b"probebus.dtype")
-    if name is not None:
+    if name is not None and name != b"mixed":
         return torch_dtype(name.decode())
     value = field.type.value_type
     for d, (t, _) in _STORAGE.items():
-        if t == value and d != torch.bfloat16:
+        if t == value and d not in _WIDENED:
             return d
     raise ValueError(f"activation column of type {field.type} is not a probebus activation")
+
+
+def activation_values(field: pa.Field, values: np.ndarray) -> np.ndarray:
+    """Flat values of an activation column as float32 or wider (format 1 stored bf16 as uint16 bits)."""
+    if values.dtype == np.uint16 and (field.metadata or {}).get(b"probebus.dtype") == b"bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values
 
 
 MANIFEST_SLACK = 16 << 10  # manifests are padded with spaces to a multiple of this (JSON ignores them)
@@ -184,7 +218,7 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     """
     data = (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
     padded = data + b" " * (-len(data) % MANIFEST_SLACK)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + ".tmp")  # "_manifest.json.tmp": hidden from folder readers too
     try:
         with open(tmp, "wb") as f:
             f.write(padded)
@@ -213,9 +247,11 @@ def _overwrite_in_place(path: Path, data: bytes, obj: dict, exc: OSError) -> Non
 
 def read_manifest(directory: Path) -> dict | None:
     p = Path(directory) / MANIFEST
+    if not p.is_file() and (Path(directory) / LEGACY_MANIFEST).is_file():
+        p = Path(directory) / LEGACY_MANIFEST
     try:
         return json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{p} is not a valid probebus manifest: {exc}") from None

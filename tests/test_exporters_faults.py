@@ -64,7 +64,8 @@ def _check_rows_are_a_prefix(table: pa.Table, truth: _Collector) -> None:
 def test_sigkill_leaves_flushed_batches_readable(tmp_path: Path) -> None:
     model = tiny_llama(layers=2)
     out = tmp_path / "rec"
-    cmd = [sys.executable, "-m", "probebus", "record", "--endpoint", "", "--out", str(out), "--rotate-mb", "0.1"]
+    # Files of several 0.25 s batches each (at ~150 KB per batch here), so that a half-written file exists.
+    cmd = [sys.executable, "-m", "probebus", "record", "--endpoint", "", "--out", str(out), "--rotate-mb", "0.6"]
     with probe.attach(model, "layers.*.resid_post", policy="complete") as session:
         truth = _Collector(session.endpoint)
         truth.start()
@@ -80,7 +81,7 @@ def test_sigkill_leaves_flushed_batches_readable(tmp_path: Path) -> None:
                     # The manifest is rewritten at most every 0.5 s, so on a fast machine it may never show a
                     # half-written stream: look at the stream file itself for flushed batches.
                     try:
-                        m = json.loads((out / "manifest.json").read_text())
+                        m = json.loads((out / "_manifest.json").read_text())
                         streams = [p for p in out.glob("*.inprogress") if p.stat().st_size > 8192]
                     except (OSError, ValueError):  # a file renamed under us: look again
                         m, streams = {}, []
@@ -105,14 +106,14 @@ def test_sigkill_leaves_flushed_batches_readable(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGKILL
     assert session.stats.dropped == 0 and session.stats.published == session.stats.captured
 
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["state"] == "recording" and "killed" in manifest["lost"]
     for entry in manifest["files"]:  # every complete file reads strictly and holds what the manifest says
-        table = pa.ipc.open_stream(pa.memory_map(str(out / entry["name"]))).read_all()
+        table = pa.ipc.open_file(pa.memory_map(str(out / entry["name"]))).read_all()
         assert table.num_rows == entry["rows"] > 0
     complete = sorted(out.glob("*.arrow"))
     for f in complete:
-        pa.ipc.open_stream(pa.memory_map(str(f))).read_all()
+        pa.ipc.open_file(pa.memory_map(str(f))).read_all()
     info = exporters.recording_info(out)
     assert not info["clean"] and info["state"] == "recording"
     assert info["partial_files"] and info["salvaged_rows"] >= sum(f["rows"] for f in manifest["in_progress"])
@@ -216,7 +217,7 @@ def test_disk_full_clear_error_and_written_rows_stay(tmp_path: Path, monkeypatch
     table = exporters.read_recording(tmp_path)  # the in-progress stream, up to the failed write
     assert 0 < table.num_rows == summary.rows
     _check_rows_are_a_prefix(table, truth)
-    assert json.loads((tmp_path / "manifest.json").read_text())["state"] == "failed"
+    assert json.loads((tmp_path / "_manifest.json").read_text())["state"] == "failed"
 
 
 def test_gap_counter_finds_a_site_that_skipped_a_step() -> None:

@@ -49,13 +49,13 @@ def _long_prompts(path: Path, n: int = 8, tokens: int = 264) -> Path:
 
 def _assert_finished(out: Path) -> dict:
     """Files complete (strictly readable), no stream left in progress, manifest final."""
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["state"] == "complete", manifest
     assert not list(out.glob("*.inprogress")) and not list(out.glob("*.tmp"))
     rows = 0
     for entry in manifest["files"]:
         with pa.memory_map(str(out / entry["name"])) as src:
-            rows += pa.ipc.open_stream(src).read_all().num_rows
+            rows += pa.ipc.open_file(src).read_all().num_rows
     assert rows == manifest["counts"]["rows"] > 0
     return manifest
 
@@ -107,7 +107,7 @@ def test_signal_finishes_files_and_manifest(tmp_path: Path, sig: signal.Signals)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:  # wait until rows are being written
             try:
-                if json.loads((out / "manifest.json").read_text())["counts"]["rows"] > 0:
+                if json.loads((out / "_manifest.json").read_text())["counts"]["rows"] > 0:
                     break
             except (OSError, ValueError, KeyError):
                 pass
@@ -171,7 +171,7 @@ def test_stop_returns_even_when_the_writer_hangs(tmp_path: Path, monkeypatch: py
     finally:
         _HungFile.release.set()  # let the abandoned thread go
     assert took < 10 and not summary.clean and "did not finish" in summary.error
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "_manifest.json").read_text())
     assert manifest["state"] == "failed" and "did not finish" in manifest["error"]
 
 
@@ -190,7 +190,7 @@ def small_fs(tmp_path: Path):
 
 
 def test_real_disk_full_leaves_a_failed_manifest_with_readable_rows(small_fs: Path) -> None:
-    """A full disk used to leave state `recording` and a 0-byte manifest.json.tmp."""
+    """A full disk used to leave state `recording` and a 0-byte manifest.json.tmp (now _manifest.json)."""
     model = tiny_llama(layers=2)
     ids, mask = left_padded([[5, 17, 33, 9], [40, 41, 42]])
     with probe.attach(model, "layers.*.resid_pre,layers.*.resid_post") as session:
@@ -206,7 +206,7 @@ def test_real_disk_full_leaves_a_failed_manifest_with_readable_rows(small_fs: Pa
         summary = rec.stop(raise_on_error=False)
     assert "No space left on device" in summary.error
     assert not list(small_fs.glob("*.tmp"))
-    manifest = json.loads((small_fs / "manifest.json").read_text())
+    manifest = json.loads((small_fs / "_manifest.json").read_text())
     assert manifest["state"] == "failed" and "No space left" in manifest["error"]
     readable = exporters.read_recording(small_fs).num_rows
     assert 0 < readable == manifest["counts"]["rows"] == summary.rows
