@@ -247,14 +247,17 @@ RECV = textwrap.dedent("""
 
 
 class Echo(torch.nn.Module):
-    """A one-layer 'model' whose layer returns its input: every forward is one capture of that tensor."""
+    """An 8-layer 'model' whose layers return their input: a forward is 8 captures of that tensor, like
+    a decode step with probes on every residual stream (the per-step identity is shared by the 8)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList([torch.nn.Identity()])
+        self.layers = torch.nn.ModuleList([torch.nn.Identity() for _ in range(8)])
 
     def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        return self.layers[0](inputs_embeds)
+        for layer in self.layers:
+            inputs_embeds = layer(inputs_embeds)
+        return inputs_embeds
 
 
 def bus_throughput() -> None:
@@ -265,7 +268,7 @@ def bus_throughput() -> None:
           "interleaved repeats")
     for rows, hidden in sizes:
         nbytes = rows * hidden * 4
-        count = max(200, min(20000, int(300e6 / nbytes))) if not ARGS.quick else 300
+        count = 8 * (max(200, min(20000, int(300e6 / nbytes))) // 8) if not ARGS.quick else 304
         res: dict[str, list[float]] = {"probebus": [], "raw pyzmq": []}
         for rep in range(ARGS.repeats):
             for mode in (["probebus", "raw pyzmq"] if rep % 2 == 0 else ["raw pyzmq", "probebus"]):
@@ -281,12 +284,12 @@ def _one_throughput(mode: str, rows: int, hidden: int, count: int) -> float:
     payload = torch.randn(1, rows, hidden)
     if mode == "probebus":
         model = Echo()
-        with probe.attach(model, "layers.0.resid_post", endpoint="tcp://127.0.0.1:*") as session:
+        with probe.attach(model, "layers.*.resid_post", endpoint="tcp://127.0.0.1:*") as session:
             child = subprocess.Popen([sys.executable, "-c", RECV, mode, session.endpoint, str(count)],
                                      stdout=subprocess.PIPE, text=True)
             assert child.stdout is not None and child.stdout.readline().strip() == "ready"
             session.wait_for_subscribers(1, timeout=30)
-            for _ in range(count):
+            for _ in range(count // 8):
                 model(inputs_embeds=payload)
         return (count - 1) / float(child.communicate()[0])
     sock = zmq.Context.instance().socket(zmq.XPUB)
