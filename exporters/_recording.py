@@ -207,8 +207,7 @@ class Recording:
             sub = t.take(pa.array(rows))
             dtype = activation_dtype(sub.schema.field("activation")) if field.metadata and \
                 field.metadata.get(b"probebus.dtype") != b"mixed" else torch.float32
-            vals = torch.from_numpy(np.ascontiguousarray(activation_values(field, _rows(sub.column("activation"),
-                                                                                         len(rows)))))
+            vals = torch.from_numpy(np.array(activation_values(field, _rows(sub.column("activation"), len(rows)))))
             out = torch.zeros(len(ids), length, vals.shape[1], dtype=vals.dtype)
             out[torch.from_numpy(seq[rows]), torch.from_numpy(pos[rows])] = vals
             out = out.to(dtype)
