@@ -93,7 +93,7 @@ class CopyPath:
             frame = encode_envelope(self.run, key.topic, ident.phase, dtype, ident.step, key.layer, hidden, tokens,
                                     np.ascontiguousarray(payload).data, seq=pub.counts.get(key.topic, 0),
                                     sent_ns=time.time_ns())
-            pub.send(key.topic, frame)
+            pub.send(key.topic, frame, nbytes=nbytes)
             return
         off, data = self._slot(nbytes)
         if data is None:
@@ -137,7 +137,7 @@ class CopyPath:
         if data.nbytes < ZERO_COPY_MIN:  # CUDA path: small payloads travel inline, the slot frees at once
             frame = encode_envelope(self.run, key.topic, phase, dtype, step, key.layer, hidden, tokens, data.data,
                                     seq=seq, sent_ns=time.time_ns())
-            pub.send(key.topic, frame)
+            pub.send(key.topic, frame, nbytes=data.nbytes)
             tracker = None
         else:
             env = encode_envelope(self.run, key.topic, phase, dtype, step, key.layer, hidden, tokens, seq=seq,

@@ -101,8 +101,10 @@ class Publisher:
         self._thread.start()
 
     # --- the model's thread ----------------------------------------------------------------
-    def send(self, site: bytes, frame0: bytes, payload: np.ndarray | None = None) -> object:
-        """Hand one capture to ZeroMQ: False if dropped, else the payload's tracker (None when inline)."""
+    def send(self, site: bytes, frame0: bytes, payload: np.ndarray | None = None, nbytes: int = 0) -> object:
+        """Hand one capture to ZeroMQ: False if dropped, else the payload's tracker (None when inline).
+
+        `nbytes`: the activation bytes inside `frame0` when there is no separate payload (for stats)."""
         with self.lock:
             try:
                 sent = self._send_locked(frame0, payload)
@@ -115,7 +117,7 @@ class Publisher:
             return False
         self.counts[site] = self.counts.get(site, 0) + 1
         self.published += 1
-        self.bytes += len(frame0) if payload is None else payload.nbytes
+        self.bytes += nbytes if payload is None else payload.nbytes
         return sent
 
     def _send_locked(self, frame0: bytes, payload: np.ndarray | None) -> object:

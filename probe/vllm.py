@@ -1,0 +1,223 @@
+"""probebus on a vLLM engine: the same sites, wire format and subscribers, captured in vLLM's workers.
+
+    from vllm import LLM
+    import probe.vllm
+
+    llm = LLM(model=path, enforce_eager=True, **probe.vllm.ENGINE_KWARGS)
+    with probe.vllm.attach(llm, "layers.*.resid_post") as session:
+        sub = probe.Subscriber(session.endpoint)       # or probebus record --endpoint / probebus top
+        session.wait_for_subscribers(1)
+        llm.generate(prompts, params)
+    for cap in sub:                                    # per token, while requests run
+        cap.seq_ids, cap.positions, cap.phase          # seq_id -> request: sub.info requests map
+
+`ENGINE_KWARGS` enables `WorkerExtension` in every worker; `attach` then installs the
+hooks through `llm.collective_rpc` and `close()` removes them, without a restart. A
+server started with `--worker-extension-cls probe.vllm.WorkerExtension` (and vLLM's
+dev-mode `/collective_rpc` route) is attached with `probebus attach --vllm URL`.
+Importing `probe` never imports vLLM; this module imports it only inside the worker.
+The worker side is `probe/_vllm_worker.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ._session import POLICIES, ProbeStats
+from ._subscriber import Subscriber
+
+EXTENSION = "probe.vllm.WorkerExtension"
+ENGINE_KWARGS: dict[str, Any] = {"worker_extension_cls": EXTENSION}
+
+
+class WorkerExtension:
+    """Mixed into each vLLM worker class; every method is a `collective_rpc` target.
+
+    Names start with `probebus_` so they never collide with the worker's own attributes.
+    Arguments and results are plain JSON-like values (vLLM serializes them with msgpack).
+    """
+
+    def probebus_attach(self, sites: list[str], endpoint: str | None, policy: str, run: str,
+                        capacity_bytes: int, stall_timeout: float | None, model_name: str) -> dict:
+        from ._sites import expand_sites
+        from ._vllm_worker import VllmArch, VllmProbe
+
+        if getattr(self, "_probebus", None) is not None:
+            raise RuntimeError("probebus is already attached to this engine; close that session first")
+        arch = VllmArch(self.model_runner.get_model())  # type: ignore[attr-defined]
+        wanted = expand_sites(_SiteView(arch), sites)
+        probe = VllmProbe(self, wanted, endpoint=endpoint, policy=policy, run=run, capacity_bytes=capacity_bytes,
+                          stall_timeout=stall_timeout, model_name=model_name)
+        self._probebus = probe
+        return {"endpoint": probe.endpoint, "sites": probe.sites, "tp_rank": probe.tp_rank,
+                "pp_rank": probe.pp_rank, "publishing": probe.publishing}
+
+    def probebus_detach(self, timeout: float = 30.0) -> dict:
+        probe = getattr(self, "_probebus", None)
+        self._probebus = None
+        return probe.close(timeout) if probe is not None else {}
+
+    def probebus_stats(self) -> dict:
+        probe = getattr(self, "_probebus", None)
+        return probe.stats() if probe is not None else {}
+
+    def probebus_info(self) -> dict:
+        probe = getattr(self, "_probebus", None)
+        return probe.info() if probe is not None else {}
+
+    def probebus_wait_for_subscribers(self, n: int, timeout: float | None) -> int:
+        probe = getattr(self, "_probebus", None)
+        return probe.wait_for_subscribers(n, timeout) if probe is not None else 0
+
+    def probebus_hook_count(self) -> int:
+        """Forward hooks and pre-hooks on the model's modules (0 once detached)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    def probebus_sites(self) -> list[str]:
+        from ._vllm_worker import VllmArch
+
+        return VllmArch(self.model_runner.get_model()).sites()  # type: ignore[attr-defined]
+
+
+class _SiteView:
+    """What `expand_sites` needs of an architecture, for a vLLM model."""
+
+    def __init__(self, arch: object) -> None:
+        self._arch = arch
+        self.family = arch.family  # type: ignore[attr-defined]
+        self.n_layers = arch.n_layers  # type: ignore[attr-defined]
+
+    def sites(self) -> list[str]:
+        return self._arch.sites()  # type: ignore[attr-defined]
+
+    def layer_site_names(self) -> tuple[str, ...]:
+        from ._arch import LAYER_SITES
+
+        return LAYER_SITES
+
+    def describe(self) -> str:
+        from ._arch import LAYER_SITES
+
+        return (f"available sites: embed, layers.{{0..{self.n_layers - 1}}}.{{{', '.join(LAYER_SITES)}}}, "
+                "final_norm (logits are computed outside vLLM's model forward and are not offered)")
+
+
+class VllmSession:
+    """Probes attached to a vLLM engine; the same surface as `probe.ProbeSession`."""
+
+    def __init__(self, rpc: Any, results: list[dict], *, run: str, policy: str) -> None:
+        self._rpc = rpc
+        self.run = run
+        self.policy = policy
+        self.workers = results
+        self.endpoints = [r["endpoint"] for r in results if r.get("publishing")]
+        self.sites = sorted({s for r in results for s in r["sites"]}, key=_site_order)
+        self._closed = False
+        self._final: ProbeStats | None = None
+
+    @property
+    def endpoint(self) -> str | list[str]:
+        """Where subscribers connect: one endpoint, or one per pipeline stage."""
+        return self.endpoints[0] if len(self.endpoints) == 1 else list(self.endpoints)
+
+    @property
+    def stats(self) -> ProbeStats:
+        if self._final is not None:
+            return self._final
+        return _sum_stats(self._rpc("probebus_stats"))
+
+    @property
+    def info(self) -> dict:
+        """The session info of the first publishing worker (with the request map)."""
+        return next((i for i in self._rpc("probebus_info") if i.get("endpoint")), {})
+
+    def wait_for_subscribers(self, n: int = 1, timeout: float | None = 10.0) -> int:
+        got = self._rpc("probebus_wait_for_subscribers", n, timeout)
+        counts = [c for c, w in zip(got, self.workers, strict=True) if w.get("publishing")]
+        if any(c < n for c in counts):
+            raise TimeoutError(f"only {min(counts)} of {n} subscribers connected to {self.endpoint} within {timeout}s")
+        return min(counts) if counts else n
+
+    def close(self, timeout: float = 30.0) -> ProbeStats:
+        if not self._closed:
+            self._closed = True
+            self._final = _sum_stats(self._rpc("probebus_detach", timeout))
+        return self.stats
+
+    def __enter__(self) -> VllmSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"VllmSession({len(self.sites)} sites, {self.policy}, {self.endpoint})"
+
+
+def _site_order(site: str) -> tuple[int, int, str]:
+    if site == "embed":
+        return (0, 0, site)
+    if site == "final_norm":
+        return (2, 0, site)
+    _, i, name = site.split(".")
+    from ._arch import LAYER_SITES
+
+    return (1, int(i), str(LAYER_SITES.index(name)) if name in LAYER_SITES else name)
+
+
+def _sum_stats(items: list[dict]) -> ProbeStats:
+    pub = [s for s in items if s.get("publishing")]
+    return ProbeStats(
+        captured=sum(s["captured"] for s in pub), published=sum(s["published"] for s in pub),
+        dropped=sum(s["dropped"] for s in pub), bytes=sum(s["bytes"] for s in pub),
+        stall_seconds=sum(s["stall_seconds"] for s in pub), subscribers=min((s["subscribers"] for s in pub),
+                                                                           default=0),
+        degraded=any(s["degraded"] for s in pub))
+
+
+def _rpc_of(llm: Any) -> Any:
+    """A `call(method, *args)` over the engine's workers, or a clear error without the extension."""
+    def call(method: str, *args: Any) -> list:
+        try:
+            return llm.collective_rpc(method, args=args)
+        except AttributeError as exc:
+            if method in str(exc):
+                raise RuntimeError(
+                    "this vLLM engine has no probebus extension: create it with "
+                    "LLM(..., **probe.vllm.ENGINE_KWARGS) (worker_extension_cls='probe.vllm.WorkerExtension'), "
+                    "or start the server with --worker-extension-cls probe.vllm.WorkerExtension") from None
+            raise
+    return call
+
+
+def attach(llm: Any, sites: str | Iterable[str], *, endpoint: str | None = None, policy: str = "complete",
+           capacity_bytes: int = 64 << 20, stall_timeout: float | None = 60.0, run: str | None = None) -> VllmSession:
+    """Attach probes to every worker of a running vLLM engine (an `LLM`, or anything with
+    `collective_rpc(method, args=...)`); see `probe.attach` for the arguments."""
+    from ._vllm_worker import new_run
+
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    names = [sites] if isinstance(sites, str) else list(sites)
+    run = run or new_run()
+    rpc = _rpc_of(llm)
+    model = _model_name(llm)
+    results = rpc("probebus_attach", names, endpoint, policy, run, capacity_bytes, stall_timeout, model)
+    return VllmSession(rpc, results, run=run, policy=policy)
+
+
+def list_sites(llm: Any) -> list[str]:
+    """Every site of the engine's model."""
+    return _rpc_of(llm)("probebus_sites")[0]
+
+
+def _model_name(llm: Any) -> str:
+    try:
+        return str(llm.llm_engine.model_config.model)
+    except AttributeError:
+        return ""
+
+
+__all__ = ["ENGINE_KWARGS", "EXTENSION", "Subscriber", "VllmSession", "WorkerExtension", "attach", "list_sites"]

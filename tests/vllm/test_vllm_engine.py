@@ -1,0 +1,154 @@
+"""probebus inside a real vLLM engine (CPU build): identity, fidelity against transformers, detach.
+
+Runs only where vLLM is installed (`.ci/run` builds its own environment for it:
+vLLM pins an older transformers than the main suite uses). One engine per module.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+import probe  # noqa: E402
+import probe.vllm  # noqa: E402
+from probebus.models import DEFAULT_MODEL_DIR  # noqa: E402
+
+MODEL = str(DEFAULT_MODEL_DIR)
+SITES = ["layers.*.resid_pre", "layers.*.resid_post", "final_norm"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = vllm.LLM(model=MODEL, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
+                      gpu_memory_utilization=0.15, enable_prefix_caching=True, **probe.vllm.ENGINE_KWARGS)
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+def _record(llm, prompts, max_tokens: int, sites=SITES):
+    params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    with probe.vllm.attach(llm, sites) as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1, timeout=30)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        info = session.info
+    caps = [c for c in sub.iter(idle_timeout=30)]
+    assert sub.ended and sub.stats.missed == 0 and sub.stats.malformed == 0
+    stats = session.stats
+    assert stats.captured == stats.published == len(caps) and stats.dropped == 0
+    sub.close()
+    return outs, caps, info
+
+
+def _seq_of(info: dict, request_id: str) -> dict:
+    (entry,) = [v for v in info["requests"].values() if v["request_id"] == request_id]
+    return entry
+
+
+def _check_against_transformers(hf, outs, caps, info) -> int:
+    """Every published row equals transformers' hidden state at that token; returns rows checked."""
+    n_layers = hf.config.num_hidden_layers
+    checked = 0
+    for o in outs:
+        entry = _seq_of(info, o.request_id)
+        full = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        with torch.no_grad():
+            hs = hf(torch.tensor([full]), output_hidden_states=True).hidden_states
+        seen: dict[str, list[int]] = collections.defaultdict(list)
+        for c in caps:
+            m = c.seq_ids == entry["seq_id"]
+            if not m.any():
+                continue
+            pos = c.positions[m]
+            seen[c.site] += pos.tolist()
+            assert c.token_ids[m].tolist() == [full[p] for p in pos.tolist()]
+            want = "prefill" if c.phase == "prefill" else "decode"
+            assert all((p < len(o.prompt_token_ids)) == (want == "prefill") for p in pos.tolist())
+            if c.site == "final_norm":
+                ref = hs[-1][0, pos]
+            else:
+                i = int(c.site.split(".")[1])
+                if c.site.endswith("resid_post") and i == n_layers - 1:
+                    ref = None  # transformers' last hidden state is after the final norm
+                else:
+                    ref = hs[i + (1 if c.site.endswith("resid_post") else 0)][0, pos]
+            if ref is not None:
+                torch.testing.assert_close(c.tensor[m], ref, atol=1e-4, rtol=1e-4)
+                checked += int(m.sum())
+        # the last sampled token is never fed back, so the stream ends one before the text does
+        expect = list(range(entry["first_position"], len(full) - 1))
+        for site, positions in seen.items():
+            assert sorted(positions) == expect, (site, positions)
+    return checked
+
+
+def test_sites_are_listed(llm) -> None:
+    sites = probe.vllm.list_sites(llm)
+    assert sites[0] == "embed" and sites[-1] == "final_norm" and "layers.7.mlp_out" in sites
+    with pytest.raises(Exception, match="logits"):
+        probe.vllm.attach(llm, "logits")
+
+
+def test_mixed_batch_matches_transformers_per_token(llm, hf) -> None:
+    tok = _tokenizer()
+    shared = "import os\nimport sys\n\n\ndef main(argv):\n    parser = None\n"
+    texts = ["def parse(text):\n    return", shared + "    return 0\n", "class A:\n    def __init__(self):",
+             shared + "    print(argv)\n", "x = 1\n" * 20]
+    prompts = [{"prompt_token_ids": tok(t)["input_ids"]} for t in texts]
+    outs, caps, info = _record(llm, prompts, max_tokens=10)
+    assert len(info["requests"]) == len(texts)
+    assert {c.phase for c in caps} == {"prefill", "decode"}
+    assert _check_against_transformers(hf, outs, caps, info) > 1000
+
+
+def test_prefix_cached_positions_are_absent_not_invented(llm, hf) -> None:
+    tok = _tokenizer()
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    long = tok("\n".join(f"value_{i} = compute({i}, {i * 7})" for i in range(200)))["input_ids"]
+    first = long[: 2 * block + 5]
+    second = long[: 2 * block + 17]  # shares two full blocks with the first request
+    _record(llm, [{"prompt_token_ids": first}], max_tokens=2)
+    outs, caps, info = _record(llm, [{"prompt_token_ids": second}], max_tokens=4)
+    entry = _seq_of(info, outs[0].request_id)
+    assert entry["first_position"] == 2 * block, "the cached prefix is declared by where the stream starts"
+    assert min(int(c.positions.min()) for c in caps) == 2 * block
+    _check_against_transformers(hf, outs, caps, info)
+
+
+def test_detach_removes_every_hook_and_reattach_works(llm) -> None:
+    params = vllm.SamplingParams(max_tokens=3, temperature=0)
+    before = llm.generate(["def f(x):"], params, use_tqdm=False)[0].outputs[0].token_ids
+    outs, caps, _ = _record(llm, ["def f(x):"], max_tokens=3, sites="layers.0.mlp_out")
+    assert list(outs[0].outputs[0].token_ids) == list(before), "observing changes nothing"
+    assert len(caps) == 3 and all(c.site == "layers.0.mlp_out" for c in caps)
+    assert probe.vllm.attach(llm, "embed").close().captured == 0
+    assert llm.collective_rpc("probebus_hook_count") == [0]
+
+
+def test_existing_subscribers_work_unchanged(llm, tmp_path) -> None:
+    import exporters
+
+    params = vllm.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with probe.vllm.attach(llm, "layers.*.resid_post") as session:
+        with exporters.ArrowRecorder(session.endpoint, tmp_path / "rec"):
+            session.wait_for_subscribers(1, timeout=30)
+            llm.generate(["def a():", "import re\n"], params, use_tqdm=False)
+    rec = exporters.read_recording(tmp_path / "rec")
+    assert rec.num_rows == 8 * (2 * 4 + 2 * 5), "8 layers x (2 prompts of 4 tokens + 5 decode steps of 2 rows)"
