@@ -20,6 +20,7 @@ DuckDB, polars, pyarrow.dataset and Hugging Face `datasets` open as they are.
 from __future__ import annotations
 
 from ._inspect import summarize_recording
+from ._plot import PlotUnavailable, plot_recording
 from ._reader import iter_recording, open_dataset, read_table, recording_files, recording_info, recording_reader
 from ._recorder import ArrowRecorder, RecorderError, RecordingSummary
 from ._recording import ActivationCache, Activations, Recording, activations, read_recording
@@ -27,8 +28,8 @@ from ._schema import FORMAT, FORMAT_VERSION, MANIFEST, activation_dtype, recordi
 from ._top import SiteRates, TopMonitor
 
 __all__ = [
-    "ActivationCache", "Activations", "ArrowRecorder", "FORMAT", "FORMAT_VERSION", "MANIFEST", "Recording",
-    "RecorderError", "RecordingSummary", "SiteRates", "TopMonitor", "activation_dtype", "activations",
-    "iter_recording", "open_dataset", "read_recording", "read_table", "recording_files", "recording_info",
-    "recording_reader", "recording_schema", "summarize_recording",
+    "ActivationCache", "Activations", "ArrowRecorder", "FORMAT", "FORMAT_VERSION", "MANIFEST", "PlotUnavailable",
+    "Recording", "RecorderError", "RecordingSummary", "SiteRates", "TopMonitor", "activation_dtype", "activations",
+    "iter_recording", "open_dataset", "plot_recording", "read_recording", "read_table", "recording_files",
+    "recording_info", "recording_reader", "recording_schema", "summarize_recording",
 ]

@@ -14,6 +14,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -21,6 +22,17 @@ from rich.text import Text
 from ._recorder import RecordingSummary
 
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """A rich Console that writes plain text when the stream is not a terminal, and honours NO_COLOR."""
+    import os
+    import sys
+
+    stream = sys.stderr if stderr else sys.stdout
+    tty = stream.isatty()
+    return Console(file=stream, stderr=stderr, force_terminal=tty, no_color=bool(os.environ.get("NO_COLOR")) or not tty,
+                   highlight=tty, emoji=False)
 
 
 def _mb(n: float) -> str:
@@ -77,7 +89,7 @@ def summary_table(s: RecordingSummary) -> Table:
     if s.truncated:
         rows.append(("truncated", "stop timed out while captures were still arriving"))
     if s.error:
-        rows.append(("error", f"[red]{s.error}"))
+        rows.append(("error", Text(s.error, style="red")))
     for k, v in rows:
         t.add_row(k, v)
     return t
@@ -89,23 +101,25 @@ def inspect_view(info: dict[str, Any]) -> Group:
     head.add_column()
     state = info["state"]
     color = "green" if info.get("clean") else ("red" if state == "failed" else "yellow")
-    head.add_row("recording", info["path"])
+    head.add_row("recording", Text(info["path"]))
     head.add_row("state", f"[{color}]{state}")
-    head.add_row("model", f"{info.get('model') or '?'}  (config {info.get('config_hash') or '?'})")
+    head.add_row("model", Text(f"{info.get('model') or '?'}  (config {info.get('config_hash') or '?'})"))
     head.add_row("probebus", f"{info.get('probebus_version') or '?'}, {info.get('file_format') or '?'} files")
     head.add_row("files", f"{len(info['files'])} complete, {len(info['partial_files'])} in progress "
                           f"({info['salvaged_rows']:,} rows readable in them)")
     head.add_row("total", f"{info['rows']:,} rows, {_mb(info['bytes'])} MB of activations")
     if info.get("lost") not in (None, "nothing"):
-        head.add_row("lost", f"[yellow]{info['lost']}")
+        head.add_row("lost", Text(str(info["lost"]), style="yellow"))
+    if info.get("interrupted_by"):
+        head.add_row("interrupted", f"by {info['interrupted_by']} (files and manifest complete up to there)")
     if info.get("error"):
-        head.add_row("error", f"[red]{info['error']}")
+        head.add_row("error", Text(str(info["error"]), style="red"))
     # Compact enough for an 80-column pipe; the site name already says the layer.
     t = Table(title="per site", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     for col in ("site", "rows", "seqs", "tokens", "MB", "dtype", "mean‖a‖", "max‖a‖"):
         t.add_column(col, justify="left" if col in ("site", "dtype") else "right", no_wrap=col == "site")
     for r in info["sites"]:
-        t.add_row(r["site"], f"{r['rows']:,}", f"{r['sequences']:,}", f"{r['tokens']:,}", _mb(r["bytes"]),
+        t.add_row(Text(r["site"]), f"{r['rows']:,}", f"{r['sequences']:,}", f"{r['tokens']:,}", _mb(r["bytes"]),
                   f"{_SHORT.get(r['dtype'], r['dtype'])}×{r['hidden']}", f"{r['norm_mean']:.4g}",
                   f"{r['norm_max']:.4g}")
     return Group(head, t)
@@ -114,15 +128,18 @@ def inspect_view(info: dict[str, Any]) -> Group:
 def top_table(totals: dict[str, Any]) -> Table:
     busy = totals["busy"]
     note = " [red](monitor saturated: numbers trail the session)" if busy > 0.9 else ""
-    t = Table(title=f"probebus top  {totals['endpoint']}  runs {', '.join(totals['runs']) or '-'}  "
-                    f"max step {totals['max_step']}  busy {busy:.0%}{note}", title_justify="left",
+    ended = " [yellow](session ended)" if totals.get("ended") else ""
+    t = Table(title=f"probebus top  {escape(totals['endpoint'])}  runs {escape(', '.join(totals['runs']) or '-')}  "
+                    f"max step {totals['max_step']}  busy {busy:.0%}{note}{ended}", title_justify="left",
               box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-    for col in ("site", "cap/s", "tok/s", "MB/s", "captures", "MB", "drops", "lag steps", "idle s"):
+    for col in ("site", "cap/s", "tok/s", "MB/s", "captures", "MB", "missed", "lag ms", "lag steps", "idle s"):
         t.add_column(col, justify="left" if col == "site" else "right", no_wrap=col == "site")
     for r in totals["sites"]:
         drops = Text(str(r["gaps"]), style="red" if r["gaps"] else "")
-        t.add_row(r["site"], f"{r['captures_per_s']:.1f}", f"{r['tokens_per_s']:.1f}", f"{r['bytes_per_s'] / 1e6:.2f}",
-                  f"{r['captures']:,}", _mb(r["bytes"]), drops, str(r["lag_steps"]), f"{r['idle_s']:.1f}")
+        lag = "-" if r.get("lag_s") is None else f"{r['lag_s'] * 1000:.1f}"
+        t.add_row(Text(r["site"]), f"{r['captures_per_s']:.1f}", f"{r['tokens_per_s']:.1f}",
+                  f"{r['bytes_per_s'] / 1e6:.2f}", f"{r['captures']:,}", _mb(r["bytes"]), drops, lag,
+                  str(r["lag_steps"]), f"{r['idle_s']:.1f}")
     t.caption = (f"{totals['captures']:,} captures, {_mb(totals['bytes'])} MB, {totals['captures_per_s']:.1f} cap/s, "
-                 f"{totals['bytes_per_s'] / 1e6:.2f} MB/s, drops {totals['gaps']}, malformed {totals['malformed']}")
+                 f"{totals['bytes_per_s'] / 1e6:.2f} MB/s, missed {totals['gaps']}, malformed {totals['malformed']}")
     return t

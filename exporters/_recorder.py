@@ -88,6 +88,16 @@ class RecordingSummary:
         return asdict(self)
 
 
+def existing_recording(path: str | Path) -> list[Path]:
+    """The files of a recording already in `path` (empty if none, or if `path` does not exist)."""
+    p = Path(path)
+    if not p.is_dir():
+        return []
+    return [f for f in p.iterdir()
+            if f.name in (MANIFEST, MANIFEST + ".tmp", PROMPTS, LEGACY_MANIFEST) or FILE_RE.match(f.name)
+            or PARTIAL_RE.match(f.name) or f.name.endswith(".parquet.tmp")]
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
@@ -98,7 +108,7 @@ class ArrowRecorder:
                  flush_seconds: float = 0.25, max_pending_bytes: int = 64 << 20, model: Any = None,
                  metadata: dict[str, str] | None = None, drain_idle: float = 0.5, overwrite: bool = False,
                  curve_server_key: bytes | None = None, manifest_interval: float = 0.5, tokenizer: Any = None,
-                 info_timeout: float = 2.0) -> None:
+                 info_timeout: float = 2.0, require_session: bool = False) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         if rotate_bytes <= 0 or flush_bytes <= 0 or flush_seconds <= 0:
@@ -118,6 +128,7 @@ class ArrowRecorder:
         self._model, self._extra_meta = model, metadata
         self._token_text = TokenText(tokenizer) if tokenizer is not None else None
         self.info_timeout = info_timeout
+        self.require_session = require_session
         self.session_info: Any = None  # the observed session's description (probe.SessionInfo) once known
         self._meta = file_metadata(model, metadata)
         self._files = FileSet(self.path, format, rotate_bytes=rotate_bytes, meta=self._meta)
@@ -151,14 +162,15 @@ class ArrowRecorder:
 
         Recording an endpoint string, start() waits up to `info_timeout` s for the
         session's description (model, config hash, sites) for the manifest; it records
-        anyway if none comes (`session_info` stays None: maybe nobody serves it yet).
+        anyway if none comes (`session_info` stays None: maybe nobody serves it yet),
+        unless `require_session`: then it raises RecorderError and touches no file.
         """
         if self._state != "new":
             raise RuntimeError("an ArrowRecorder records once; create a new one")
         try:
             self._sub = probe.Subscriber(self.endpoint, self.sites, curve_server_key=self._curve)
         except zmq.ZMQError as exc:
-            raise RecorderError(f"cannot connect to endpoint {self.endpoint!r}: {exc}; expected e.g. "
+            raise RecorderError(f"{self.endpoint!r} is not an endpoint ({exc}); expected e.g. "
                                 "ipc:///path/to/socket or tcp://127.0.0.1:5555 (`probebus top` lists live "
                                 "sessions)") from None
         try:
@@ -187,6 +199,9 @@ class ArrowRecorder:
             wait = getattr(self._sub, "wait_info", None)
             info = wait(self.info_timeout) if wait is not None and self.info_timeout > 0 else None
             run, sites = (info.run, list(info.sites)) if info is not None else ("", [])
+            if info is None and self.require_session:
+                raise RecorderError(f"nobody serves {self.endpoint} (no probe session answered within "
+                                    f"{self.info_timeout:g} s); `probebus top` lists this user's live sessions")
         self.session_info = info
         matcher = probe.SiteMatcher(self.sites)
         self._dicts = Dictionaries(runs=(run,) if run else (), phases=tuple(probe.PHASES),
@@ -286,9 +301,7 @@ class ArrowRecorder:
     def _prepare_dir(self) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            ours = [p for p in self.path.iterdir()
-                    if p.name in (MANIFEST, MANIFEST + ".tmp", PROMPTS, LEGACY_MANIFEST) or FILE_RE.match(p.name)
-                    or PARTIAL_RE.match(p.name) or p.name.endswith(".parquet.tmp")]
+            ours = existing_recording(self.path)
             if ours and not self.overwrite:
                 raise RecorderError(f"{self.path} already holds a recording ({len(ours)} files); record into a new "
                                     "directory, or replace it with --overwrite (overwrite=True in Python)")

@@ -7,12 +7,15 @@
             r.site, r.captures_per_s, r.tokens_per_s, r.bytes_per_s, r.gaps, r.lag_steps, r.idle_s
     mon.close()
 
-Rates are over the last `window` seconds. `gaps` are captures detected missing (a
-site skipped a step other sites reported: best_effort drops). The wire carries no
-send time, so lag is given in steps: how far a site's newest capture trails the
-newest step seen at any site, plus `idle_s` since its last capture. `busy` is the
-share of time this monitor found a message already waiting; near 1.0 means the
-monitor itself cannot keep up and its numbers trail the session.
+Rates are over the last `window` seconds. `gaps` are captures this monitor missed
+(the bus' per-site sequence numbers; with an older publisher: a site that skipped a
+step other sites reported). `lag_s` is how long ago the newest capture of a site was
+published when it arrived here (the wire carries the send time; same clock when the
+session runs on this machine); `lag_steps` how far a site trails the newest step seen
+at any site; `idle_s` the time since its last capture. `busy` is the share of time
+this monitor found a message already waiting; near 1.0 means the monitor itself
+cannot keep up and its numbers trail the session. `ended` turns True when the
+session closes; `poll` then returns at once instead of spinning.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import probe
 
 from ._gaps import GapCounter
+from ._recording import site_order
 
 
 @dataclass(frozen=True)
@@ -41,26 +45,25 @@ class SiteRates:
     last_step: int
     lag_steps: int
     idle_s: float
+    lag_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class _Counts:
-    __slots__ = ("layer", "captures", "tokens", "bytes", "last_step", "last_t", "history")
+    __slots__ = ("layer", "captures", "tokens", "bytes", "last_step", "last_t", "lag", "next_seq", "missed",
+                 "history")
 
     def __init__(self, layer: int) -> None:
         self.layer = layer
         self.captures = self.tokens = self.bytes = 0
         self.last_step = -1
         self.last_t = 0.0
+        self.lag: float | None = None
+        self.next_seq = 0
+        self.missed = 0
         self.history: deque[tuple[float, int, int, int]] = deque()
-
-
-def _site_order(site: str) -> tuple[int, int, str]:
-    if site.startswith("layers."):
-        return (1, int(site.split(".")[1]), site)
-    return (0 if site == "embed" else 2, 0, site)
 
 
 class TopMonitor:
@@ -76,14 +79,24 @@ class TopMonitor:
         self._waited = 0.0
         self._busy_window: deque[tuple[float, float]] = deque()
 
+    @property
+    def ended(self) -> bool:
+        """The session closed (its end of stream arrived): nothing more will come."""
+        return bool(getattr(self.sub, "ended", False))
+
+    def wait_info(self, timeout: float) -> Any:
+        """The session's description (probe.SessionInfo), or None if nobody serves the endpoint."""
+        wait = getattr(self.sub, "wait_info", None)
+        return wait(timeout) if wait is not None else None
+
     def poll(self, seconds: float) -> int:
-        """Receive for `seconds`; returns how many captures arrived."""
+        """Receive for `seconds` (less once the session ended); returns how many captures arrived."""
         end = time.monotonic() + seconds
         got = 0
         waited = 0.0
         while True:
             now = time.monotonic()
-            if now >= end:
+            if now >= end or self.ended:  # after the end of stream recv returns at once: do not spin on it
                 break
             cap = self.sub.recv(timeout=0)
             if cap is None:  # nothing waiting: we are keeping up; sleep in poll until the next one
@@ -100,9 +113,16 @@ class TopMonitor:
                 c.history.append((self.started, 0, 0, 0))
             c.captures += 1
             c.tokens += cap.n_tokens
-            c.bytes += cap.tensor.numel() * cap.tensor.element_size()
+            c.bytes += cap.n_tokens * cap.hidden * cap.dtype.itemsize  # no tensor view needed
             c.last_step = cap.step
             c.last_t = now
+            sent = getattr(cap, "sent_at", None)
+            c.lag = max(0.0, time.time() - sent) if sent else None
+            seq = getattr(cap, "seq", None)
+            if seq is not None:
+                if c.captures > 1:  # a late joiner counts from the first capture it saw of each site
+                    c.missed += max(0, seq - c.next_seq)
+                c.next_seq = seq + 1
             self.runs.add(cap.run)
             self.max_step = max(self.max_step, cap.step)
             self.gaps.observe(cap.run, cap.step, cap.site)
@@ -124,22 +144,27 @@ class TopMonitor:
     def snapshot(self) -> list[SiteRates]:
         now = time.monotonic()
         out = []
-        for site in sorted(self.sites, key=_site_order):
+        for site in sorted(self.sites, key=site_order):
             c = self.sites[site]
             t0, k0, n0, b0 = c.history[0]
             inv = 1.0 / (now - t0) if now > t0 else 0.0
             out.append(SiteRates(site, c.layer, c.captures, c.tokens, c.bytes, (c.captures - k0) * inv,
-                                 (c.tokens - n0) * inv, (c.bytes - b0) * inv, self.gaps.by_site.get(site, 0),
-                                 c.last_step, max(0, self.max_step - c.last_step), now - c.last_t))
+                                 (c.tokens - n0) * inv, (c.bytes - b0) * inv, self._missed(site, c),
+                                 c.last_step, max(0, self.max_step - c.last_step), now - c.last_t, c.lag))
         return out
+
+    def _missed(self, site: str, c: _Counts) -> int:
+        if c.next_seq:  # sequence numbers on the wire: exact
+            return c.missed + max(0, (getattr(self.sub, "end_counts", None) or {}).get(site, 0) - c.next_seq)
+        return self.gaps.by_site.get(site, 0)
 
     def totals(self) -> dict[str, Any]:
         snap = self.snapshot()
         return {"endpoint": self.endpoint, "runs": sorted(self.runs), "seconds": time.monotonic() - self.started,
                 "captures": sum(r.captures for r in snap), "bytes": sum(r.bytes for r in snap),
                 "captures_per_s": sum(r.captures_per_s for r in snap), "bytes_per_s": sum(r.bytes_per_s for r in snap),
-                "gaps": self.gaps.total, "malformed": self.sub.stats.malformed, "busy": self.busy,
-                "max_step": self.max_step, "sites": [r.as_dict() for r in snap]}
+                "gaps": sum(r.gaps for r in snap), "malformed": self.sub.stats.malformed, "busy": self.busy,
+                "max_step": self.max_step, "ended": self.ended, "sites": [r.as_dict() for r in snap]}
 
     def close(self) -> None:
         self.sub.close()

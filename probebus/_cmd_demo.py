@@ -21,25 +21,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="probe, watch and record the shipped model (offline, < 1 min)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="default | PATH (default: %(default)s)")
-    p.add_argument("--sites", default="layers.*.resid_post,final_norm")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--keep", help="write the recording here instead of a temporary folder")
+    p.add_argument("--sites", default="layers.*.resid_post,final_norm",
+                   help="site patterns to probe, comma separated (default: %(default)s; see `probebus sites MODEL`)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per prompt, >= 1 "
+                   "(default: %(default)s)")
+    p.add_argument("--keep", metavar="DIR", help="write the recording here instead of a temporary folder")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                   help="weights dtype; auto = the checkpoint's (float32 on a CPU without native half precision) "
+                        "(default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps | auto (default: %(default)s)")
     p.set_defaults(func=_cmd_demo)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.live import Live
     from rich.panel import Panel
+    from rich.text import Text
 
     import exporters
     import probe
-    from exporters._console import inspect_view, top_table
-    from probebus._load import load_model
+    from exporters._console import inspect_view, make_console, top_table
+    from probebus._load import LoadError, load_model
 
-    console = Console()
+    if args.max_new_tokens < 1:
+        raise LoadError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.keep and exporters._recorder.existing_recording(args.keep):
+        raise LoadError(f"{args.keep} already holds a recording; pick a new --keep folder")
+    console = make_console()
     t_start = time.perf_counter()
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     try:
         from probebus._code_prompts import code_prompts
 
@@ -49,8 +59,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                    "def parse_args(argv):\n"]
     out_dir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="probebus-demo-"))
     console.print(f"[bold]probebus demo[/]: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
-                  f"params), sites [cyan]{args.sites}[/], {len(prompts)} prompts x {args.max_new_tokens} tokens")
-    enc = tok(prompts, return_tensors="pt", padding=True)
+                  f"params, {str(model.dtype).removeprefix('torch.')}, {model.device}), sites [cyan]{args.sites}[/], "
+                  f"{len(prompts)} prompts x {args.max_new_tokens} tokens", highlight=False)
+    enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)
     done = threading.Event()
     result: dict = {}
 
@@ -63,8 +74,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         finally:
             done.set()
 
-    with probe.attach(model, args.sites) as session:
-        recorder = exporters.ArrowRecorder(session, out_dir).start()
+    try:
+        session = probe.attach(model, args.sites)
+    except (probe.SiteError, ValueError) as exc:
+        raise LoadError(str(exc)) from None
+    with session:
+        recorder = exporters.ArrowRecorder(session, out_dir, tokenizer=tok).start()
+        recorder.add_prompts(prompts, list(range(len(prompts))))
+        console.print(f"probe session {session.endpoint}  (another terminal: probebus top {session.endpoint})",
+                      highlight=False, markup=False)
         monitor = exporters.TopMonitor(session.endpoint)
         session.wait_for_subscribers(2)
         worker = threading.Thread(target=run, name="generate")
@@ -83,8 +101,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     stats = session.stats
     for r, prompt in enumerate(prompts[:2]):
         new = result["seq"][r, enc.input_ids.shape[1]:]
-        console.print(Panel(prompt + "[bold green]" + tok.decode(new, skip_special_tokens=True) + "[/]",
-                            title=f"sample {r + 1}", title_align="left"))
+        text = Text(prompt)
+        text.append(tok.decode(new, skip_special_tokens=True), style="bold green")
+        console.print(Panel(text, title=f"sample {r + 1}", title_align="left"))
     console.print(inspect_view(exporters.summarize_recording(out_dir)))
     console.print(f"bus: {stats.captured} captured, {stats.published} published, {stats.dropped} dropped, "
                   f"{stats.bytes / 1e6:.1f} MB, producer stall {stats.stall_seconds * 1000:.0f} ms; "

@@ -1,12 +1,14 @@
 """`probebus record | inspect | top`: the exporters' command line.
 
     probebus record --model default --prompts p.jsonl --sites 'layers.*.resid_post' --out rec/
-    probebus record --endpoint ipc:///tmp/probebus-abc/bus --out rec/     # someone else's session
-    probebus inspect rec/ [--json]
+    probebus record --model default --prompt 'def f(' --endpoint ipc:///tmp/pb.sock --out rec/   # bind there
+    probebus record --endpoint ipc:///tmp/probebus-abc/bus --out rec/     # record someone else's session
+    probebus inspect rec/ [--json] [--plot plots/]
+    probebus top                            # this user's live sessions
     probebus top ipc:///tmp/probebus-abc/bus [--duration 10] [--json]
 
-`register(subparsers)` adds the three subcommands to the main parser; `main(argv)`
-runs them standalone (python -m probebus._cmd_exporters ...).
+Bad input is one line on stderr and exit status 2. `register(subparsers)` adds the
+three subcommands to the main parser; `main(argv)` runs them standalone.
 """
 
 from __future__ import annotations
@@ -18,52 +20,76 @@ import sys
 import time
 from typing import Any
 
-EPILOG_RECORD = ("Files: {dtype}x{hidden}-NNNNN.arrow|parquet (complete) and *.arrow.inprogress (being written), "
-                 "plus manifest.json. Read them with exporters.read_recording, DuckDB, polars or HF datasets.")
+from probebus._load import LoadError
+
+EPILOG_RECORD = ("Files: {dtype}x{hidden}-NNNNN.arrow (Arrow IPC files) or .parquet, plus _manifest.json, "
+                 "_prompts.jsonl and, while recording, _*.arrow.inprogress. Read them with exporters.read_recording, "
+                 "DuckDB, polars, pyarrow.dataset or HF datasets (see docs/reading.md).")
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                   help="weights dtype; auto = the checkpoint's (float32 on a CPU without native half precision) "
+                        "(default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps | auto (default: %(default)s)")
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "record", help="record activations to Arrow/Parquet while a model generates",
         description="Run generate on prompts with probes attached and record every capture (long format, one row "
-                    "per token and site), or record a running session from its --endpoint.", epilog=EPILOG_RECORD)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="model folder, hub id in the local cache, or 'default'")
-    src.add_argument("--endpoint", help="record someone else's running probe session instead of loading a model")
+                    "per token and site), or record a session that is already running (--endpoint without "
+                    "--model).", epilog=EPILOG_RECORD)
+    p.add_argument("--model", help="default | PATH | a hub id in the local cache: load it and generate")
+    p.add_argument("--endpoint", help="with --model: bind the probe session here (ipc://PATH or "
+                   "tcp://127.0.0.1:PORT) so `probebus top ENDPOINT` can watch; without --model: record the "
+                   "session already running there")
     p.add_argument("--prompt", help="one prompt (with --model)")
     p.add_argument("--prompts", metavar="FILE", help="prompts file: JSON Lines with a 'prompt' field, or one per line")
     p.add_argument("--sites", default=None,
                    help="site pattern(s), comma separated (default with --model: layers.*.resid_post; "
                         "with --endpoint: every site the session publishes)")
     p.add_argument("--out", required=True, metavar="DIR", help="recording directory (created)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--format", choices=("arrow", "parquet"), default="arrow")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt, >= 1 "
+                   "(default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call, >= 1 (default: %(default)s)")
+    p.add_argument("--format", choices=("arrow", "parquet"), default="arrow",
+                   help="Arrow IPC files (fast, memory-mappable) or Parquet (compressed ids) (default: %(default)s)")
     p.add_argument("--policy", choices=("complete", "best_effort"), default="complete",
                    help="complete: never lose a capture (the model waits); best_effort: never wait (drops counted)")
-    p.add_argument("--rotate-mb", type=float, default=256.0, help="start a new file after this many MB")
+    p.add_argument("--rotate-mb", type=float, default=256.0, help="start a new file after this many MB "
+                   "(default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace a recording already in DIR")
-    p.add_argument("--duration", type=float, help="with --endpoint: stop after this many seconds")
+    p.add_argument("--duration", type=float, help="recording a running session: stop after this many seconds")
     p.add_argument("--idle-timeout", type=float,
-                   help="with --endpoint: stop once no capture arrived for this many seconds (after the first); "
-                        "recording always stops when the session closes")
+                   help="recording a running session: stop once no capture arrived for this many seconds (after "
+                        "the first); recording always stops when the session closes")
+    _model_options(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.set_defaults(func=cmd_record)
 
     p = subparsers.add_parser("inspect", help="per-site statistics of a recording",
                               description="Rows, sequences, tokens, bytes, dtype and activation norms per site, "
-                                          "plus the manifest's state (complete, failed, or killed mid-recording).")
-    p.add_argument("dir", metavar="DIR")
+                                          "plus the manifest's state (complete, failed, interrupted, or killed "
+                                          "mid-recording).")
+    p.add_argument("dir", metavar="DIR", help="recording folder (or one of its .arrow / .parquet files)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--plot", metavar="OUTDIR", help="also write PNGs of activation norms per site and position and "
+                   "per layer into OUTDIR (needs matplotlib: pip install 'probebus[plot]')")
+    p.add_argument("--sites", default=None, help="with --plot: only these site patterns")
     p.set_defaults(func=cmd_inspect)
 
     p = subparsers.add_parser("top", help="live per-site view of a running probe session",
-                              description="Subscribe to ENDPOINT and show per-site capture rate, tokens/s, MB/s, "
-                                          "detected drops and lag (in steps) until Ctrl-C or --duration.")
-    p.add_argument("endpoint", metavar="ENDPOINT")
+                              description="Without ENDPOINT: list this user's live probe sessions. With it: show "
+                                          "per-site capture rate, tokens/s, MB/s, missed captures and lag until the "
+                                          "session ends, Ctrl-C or --duration.")
+    p.add_argument("endpoint", metavar="ENDPOINT", nargs="?", help="the session's endpoint (see `probebus top`)")
     p.add_argument("--sites", default=None, help="only these site patterns")
-    p.add_argument("--interval", type=float, default=1.0, help="refresh every this many seconds")
+    p.add_argument("--interval", type=float, default=1.0, help="refresh every this many seconds "
+                   "(default: %(default)s)")
     p.add_argument("--duration", type=float, help="exit after this many seconds")
+    p.add_argument("--wait", type=float, default=3.0, help="seconds to wait for the session to answer before "
+                   "giving up on ENDPOINT (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="no live view; print final totals as JSON")
     p.set_defaults(func=cmd_top)
 
@@ -115,6 +141,35 @@ class _Stop:
             signal.signal(sig, old)
 
 
+def _check_record(args: argparse.Namespace) -> None:
+    """Every argument problem, before anything is loaded or created on disk."""
+    if args.model is None and args.endpoint is None:
+        raise LoadError("give --model M (load it and generate) or --endpoint E (record a running session)")
+    if args.model is None and (args.prompt is not None or args.prompts is not None):
+        raise LoadError("--prompt/--prompts need --model; --endpoint alone records a session that is already running")
+    if args.model is not None:
+        if args.prompt is None and args.prompts is None:
+            raise LoadError("give --prompt TEXT or --prompts FILE")
+        if args.max_new_tokens < 1:
+            raise LoadError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        if args.batch_size < 1:
+            raise LoadError(f"--batch-size must be at least 1, got {args.batch_size}")
+        if args.duration is not None or args.idle_timeout is not None:
+            raise LoadError("--duration/--idle-timeout apply to recording a running session (--endpoint alone)")
+    if args.rotate_mb <= 0:
+        raise LoadError(f"--rotate-mb must be positive, got {args.rotate_mb}")
+    for name in ("duration", "idle_timeout"):
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            raise LoadError(f"--{name.replace('_', '-')} must be positive, got {v}")
+    from exporters._recorder import existing_recording
+
+    found = existing_recording(args.out)
+    if found and not args.overwrite:
+        raise LoadError(f"{args.out} already holds a recording ({len(found)} files); record into a new directory, "
+                        "or replace it with --overwrite")
+
+
 def _finish(rec: Any, args: argparse.Namespace, console: Any, stop: _Stop) -> int:
     from exporters._console import summary_table
 
@@ -127,33 +182,31 @@ def _finish(rec: Any, args: argparse.Namespace, console: Any, stop: _Stop) -> in
     else:
         console.print(summary_table(s))
     if s.error:
-        console.print(f"[red]probebus record: {s.error}")
+        print(f"probebus record: {s.error}", file=sys.stderr)
         return 1
     if stop.requested:
-        console.print(f"[yellow]probebus record: stopped by {signal.Signals(stop.signum).name}; the files and the "
-                      "manifest are complete up to there")
+        print(f"probebus record: stopped by {signal.Signals(stop.signum).name}; the files and the manifest are "
+              "complete up to there", file=sys.stderr)
         return stop.exit_code
     return 0
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from exporters._console import make_console
 
-    console = Console(stderr=True)
-    if args.endpoint is not None:
-        if args.prompt is not None or args.prompts is not None:
-            console.print("[red]--prompt/--prompts need --model; --endpoint records a session that is already running")
-            return 2
+    _check_record(args)
+    console = make_console(stderr=True)
+    if args.model is None:
         with _Stop() as stop:
             return _record_endpoint(args, console, stop)
-    from probebus._prompts import read_prompts
+    from probebus._load import read_prompts_checked
 
-    prompts = read_prompts(args.prompt, args.prompts)
+    prompts = read_prompts_checked(args.prompt, args.prompts)
     with _Stop(interrupt=True) as stop:
         try:
             return _record_model(args, prompts, console, stop)
         except KeyboardInterrupt:  # before the recorder existed (loading the model): nothing to finish
-            console.print("[yellow]probebus record: interrupted before recording started")
+            print("probebus record: interrupted before recording started", file=sys.stderr)
             return stop.exit_code or 130
 
 
@@ -161,13 +214,15 @@ def _record_endpoint(args: argparse.Namespace, console: Any, stop: _Stop) -> int
     import exporters
     from exporters._console import RecordProgress
 
-    try:
+    try:  # one subscriber from the start: a probe-then-reconnect would miss what is published in between
         rec = exporters.ArrowRecorder(args.endpoint, args.out, sites=args.sites, format=args.format,
-                                      rotate_bytes=int(args.rotate_mb * (1 << 20)), overwrite=args.overwrite)
+                                      rotate_bytes=int(args.rotate_mb * (1 << 20)), overwrite=args.overwrite,
+                                      info_timeout=3.0, require_session=True)
         rec.start()
     except (exporters.RecorderError, ValueError) as exc:
-        console.print(f"[red]probebus record: {exc}")
-        return 2
+        raise LoadError(str(exc)) from None
+    info = rec.session_info
+    print(f"recording {args.endpoint} ({info.model or 'model ?'}, run {info.run}) into {args.out}", file=sys.stderr)
     t0 = time.monotonic()
     last_rx, last_n = t0, 0
     with RecordProgress(console, None, unit="row") as bar:
@@ -177,7 +232,7 @@ def _record_endpoint(args: argparse.Namespace, console: Any, stop: _Stop) -> int
             now = time.monotonic()
             if s.received != last_n:
                 last_rx, last_n = now, s.received
-            bar.update(s.rows, s, description=f"recording {args.endpoint}")
+            bar.update(s.rows, s, description="recording")
             if args.duration is not None and now - t0 >= args.duration:
                 break
             if args.idle_timeout is not None and last_n and now - last_rx >= args.idle_timeout:
@@ -188,30 +243,33 @@ def _record_endpoint(args: argparse.Namespace, console: Any, stop: _Stop) -> int
 
 def _record_model(args: argparse.Namespace, prompts: list[str], console: Any, stop: _Stop) -> int:
     import torch
+    import zmq
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     import exporters
     import probe
     from exporters._console import RecordProgress
-    from probebus._load import load_model
+    from probebus._load import check_sites, load_model
 
-    model, tok = load_model(args.model)
     sites = args.sites or "layers.*.resid_post"
+    check_sites(args.model, sites)  # a bad pattern fails before gigabytes of weights load
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     total = len(prompts) * args.max_new_tokens
     try:
-        session = probe.attach(model, sites, policy=args.policy)
-    except (probe.SiteError, ValueError) as exc:
-        console.print(f"[red]probebus record: {exc}")
-        return 2
+        session = probe.attach(model, sites, policy=args.policy, endpoint=args.endpoint)
+    except (probe.SiteError, ValueError, zmq.ZMQError) as exc:
+        raise LoadError(f"{exc}" if not isinstance(exc, zmq.ZMQError) else
+                        f"cannot bind --endpoint {args.endpoint!r}: {exc}") from None
     with session:
         try:
             rec = exporters.ArrowRecorder(session, args.out, format=args.format, overwrite=args.overwrite,
-                                          rotate_bytes=int(args.rotate_mb * (1 << 20)), model=model,
+                                          rotate_bytes=int(args.rotate_mb * (1 << 20)), model=model, tokenizer=tok,
                                           metadata={"model_arg": args.model})
             rec.start()
         except exporters.RecorderError as exc:
-            console.print(f"[red]probebus record: {exc}")
-            return 2
+            raise LoadError(str(exc)) from None
+        print(f"probe session {session.endpoint}  (watch it: probebus top {session.endpoint})", file=sys.stderr,
+              flush=True)
         done = 0
         try:
             with RecordProgress(console, total) as bar:
@@ -225,7 +283,9 @@ def _record_model(args: argparse.Namespace, prompts: list[str], console: Any, st
 
                 for i in range(0, len(prompts), args.batch_size):
                     chunk = prompts[i : i + args.batch_size]
-                    enc = tok(chunk, return_tensors="pt", padding=True)
+                    enc = tok(chunk, return_tensors="pt", padding=True).to(model.device)
+                    # The session issues seq_ids in batch-row order per prefill, from 0: prompt i is seq_id i.
+                    rec.add_prompts(chunk, list(range(i, i + len(chunk))))
                     with torch.no_grad():
                         model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
                                        max_new_tokens=args.max_new_tokens, do_sample=False,
@@ -236,7 +296,7 @@ def _record_model(args: argparse.Namespace, prompts: list[str], console: Any, st
                         break
         except KeyboardInterrupt:
             stop.finishing()
-            console.print("[yellow]interrupted: finishing the files")
+            print("probebus record: interrupted, finishing the files", file=sys.stderr)
         stop.finishing()
         session.close()  # everything staged reaches the recorder before it drains and stops
     return _finish(rec, args, console, stop)
@@ -244,61 +304,95 @@ def _record_model(args: argparse.Namespace, prompts: list[str], console: Any, st
 
 # --- inspect / top ----------------------------------------------------------------------------------
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    import pyarrow as pa
 
     import exporters
-    from exporters._console import inspect_view
+    from exporters._console import inspect_view, make_console
 
     try:
         info = exporters.summarize_recording(args.dir)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"probebus inspect: {exc}", file=sys.stderr)
-        return 2
+        paths = exporters.plot_recording(args.dir, args.plot, sites=args.sites) if args.plot else []
+    except exporters.PlotUnavailable as exc:
+        raise LoadError(f"--plot: {exc}") from None
+    except (FileNotFoundError, NotADirectoryError, ValueError, pa.ArrowInvalid) as exc:
+        raise LoadError(str(exc)) from None
+    except OSError as exc:
+        raise LoadError(f"cannot read {args.dir}: {exc.strerror or exc}") from None
     if args.json:
         print(json.dumps(info, indent=1))
     else:
-        Console().print(inspect_view(info))
+        make_console().print(inspect_view(info))
+    for path in paths:
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _list_sessions() -> int:
+    import probe
+
+    sessions = probe.live_sessions()
+    if not sessions:
+        print("no live probe sessions of this user on this machine (start one: probebus demo, probebus record "
+              "--model default --prompt ..., or probe.attach in Python)", file=sys.stderr)
+        return 0
+    print(f"{len(sessions)} live probe session(s); watch one with: probebus top ENDPOINT")
+    for s in sessions:
+        age = time.time() - s.started if s.started else 0.0
+        sites = f"{len(s.sites)} sites" if s.sites else "sites ?"
+        print(f"  {s.endpoint}  pid {s.pid}  {s.model or 'model ?'}  {sites}  {s.policy}  up {age:.0f} s")
     return 0
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    if args.endpoint is None:
+        return _list_sessions()
+    if args.interval <= 0 or (args.duration is not None and args.duration <= 0) or args.wait <= 0:
+        raise LoadError("--interval, --duration and --wait must be positive")
+    import zmq
     from rich.live import Live
 
     import exporters
-    from exporters._console import top_table
+    from exporters._console import make_console, top_table
 
     try:
         mon = exporters.TopMonitor(args.endpoint, args.sites)
-    except Exception as exc:  # bad endpoint or pattern: zmq/probe raise various types
-        print(f"probebus top: {exc}", file=sys.stderr)
-        return 2
+    except zmq.ZMQError as exc:
+        raise LoadError(f"{args.endpoint!r} is not an endpoint ({exc}); expected e.g. ipc:///path/to/socket or "
+                        "tcp://127.0.0.1:5555 (`probebus top` lists live sessions)") from None
+    except ValueError as exc:  # a bad site pattern
+        raise LoadError(str(exc)) from None
     t0 = time.monotonic()
     with mon, _Stop() as stop:
-        def running() -> bool:
-            return not stop.requested and (args.duration is None or time.monotonic() - t0 < args.duration)
+        if mon.wait_info(args.wait) is None:
+            raise LoadError(f"nobody serves {args.endpoint} (no probe session answered within {args.wait:g} s); "
+                            "`probebus top` lists this user's live sessions")
 
-        try:
-            if args.json:
+        def running() -> bool:
+            return not stop.requested and not mon.ended and \
+                (args.duration is None or time.monotonic() - t0 < args.duration)
+
+        if args.json:
+            while running():
+                mon.poll(min(args.interval, 0.25))
+        else:
+            console = make_console()
+            with Live(top_table(mon.totals()), console=console, refresh_per_second=4,
+                      auto_refresh=console.is_terminal) as live:
                 while running():
-                    mon.poll(min(args.interval, 0.25))
-            else:
-                with Live(top_table(mon.totals()), console=Console(), refresh_per_second=4) as live:
-                    while running():
-                        mon.poll(args.interval)
-                        live.update(top_table(mon.totals()))
-        except KeyboardInterrupt:
-            pass
+                    mon.poll(args.interval)
+                    live.update(top_table(mon.totals()))
+                live.update(top_table(mon.totals()))
         if args.json:
             print(json.dumps(mon.totals(), indent=1))
+        elif mon.ended:
+            print("probebus top: the session ended", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="probebus", description="probebus exporters: record, inspect, top")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    from probebus.cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -43,13 +44,16 @@ def _cmd_sites(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from probe import __version__
 
-    parser = argparse.ArgumentParser(prog="probebus", description="Observe LLM internals while they generate.")
+    parser = argparse.ArgumentParser(prog="probebus", description="Observe LLM internals while they generate. "
+                                     "Works offline: nothing is downloaded unless you pass --online (or set "
+                                     "PROBEBUS_ONLINE=1).")
     parser.add_argument("--version", action="version", version=f"probebus {__version__}")
+    parser.add_argument("--online", action="store_true", help="allow Hugging Face Hub downloads (off by default)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("sites", help="list the probe sites of a model", description="List the probe sites of a "
                        "model: `default`, a local folder with config.json, or a config.json file. No weights load.")
-    p.add_argument("model", help="default | PATH (folder or config.json)")
+    p.add_argument("model", help="default | PATH (folder or config.json) | a hub id already in the local cache")
     p.add_argument("--match", help="only the sites a pattern selects, e.g. 'layers.*.resid_post'")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_sites)
@@ -65,13 +69,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_broken_pipe() -> int:
+    """`probebus inspect --json | head`: the reader left; stop writing, without a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python flushes stdout at exit: let that go nowhere
+    except (OSError, ValueError):
+        pass
+    return 128 + 13  # what a process killed by SIGPIPE reports, as `yes | head` does
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from probebus._load import LoadError, go_offline
+
+    go_offline(argv)  # before anything imports transformers / huggingface_hub
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit flush
+        return code
+    except LoadError as exc:
+        print(f"probebus {args.command}: {exc.message}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # a command's own one-line usage error (printed already unless it is the code)
+        if isinstance(exc.code, str):
+            print(f"probebus {args.command}: {exc.code}", file=sys.stderr)
+            return 2
+        return int(exc.code or 0)
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
+    except KeyboardInterrupt:
+        print(f"probebus {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
