@@ -16,6 +16,8 @@ from ._eagle import DraftCache, Eagle3Config, Eagle3Drafter, default_aux_layers
 from ._feeder import Drafts, EagleFeeder, Feeder
 from ._loop import SpecOutput, SpecStats, SpeculativeDecoder
 from ._ngram import NgramDrafter, NgramIndex
+from ._oracle import OracleResult, oracle_bound, simulated_seconds
+from ._plot import plot_stats
 from ._remote import RemoteEagle, serve_drafter
 from ._sched import DraftPlan, Scheduler
 from ._train import TrainConfig, heldout_acceptance, load_sequences, train_drafter, ttt_mask
@@ -23,9 +25,10 @@ from ._verify import accept, target_probs, verify_greedy, verify_greedy_rows, ve
 
 __all__ = [
     "ConfidenceHead", "CostModel", "DraftCache", "DraftPlan", "DrafterError", "Drafts", "Eagle3Config",
-    "Eagle3Drafter", "EagleFeeder", "Feeder", "NgramDrafter", "NgramIndex", "RemoteEagle", "Scheduler",
+    "Eagle3Drafter", "EagleFeeder", "Feeder", "NgramDrafter", "NgramIndex", "OracleResult", "RemoteEagle", "Scheduler",
     "SpecOutput", "SpecStats", "SpeculativeDecoder", "TrainConfig", "accept", "check_against_target",
-    "default_aux_layers", "heldout_acceptance", "load_drafter", "load_sequences", "resolve_drafter_path",
+    "default_aux_layers", "heldout_acceptance", "load_drafter", "load_sequences", "oracle_bound", "plot_stats",
+    "resolve_drafter_path", "simulated_seconds",
     "save_drafter", "serve_drafter", "target_probs", "train_confidence", "train_drafter", "ttt_mask",
     "verify_greedy", "verify_greedy_rows", "verify_rows", "verify_sampling",
 ]

@@ -63,6 +63,21 @@ class ConfidenceHead(nn.Module):
         """Acceptance probability per row."""
         return torch.sigmoid(self.net(feats).squeeze(-1))
 
+    @torch.no_grad()
+    def score(self, hn: torch.Tensor, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """`self(self.features(hn, logits, step))` in fewer ops: the step's one-hot folds into a bias."""
+        if getattr(self, "_split", None) is None:
+            w, b = self.net[0].weight.detach(), self.net[0].bias.detach()
+            cut = self.hidden + N_STATS
+            object.__setattr__(self, "_split", (w[:, :cut].contiguous(), [b + w[:, cut + j] for j in range(MAX_STEPS)],
+                                                self.net[2].weight.detach(), self.net[2].bias.detach()))
+        w_hs, biases, w2, b2 = self._split
+        lg = logits.float()
+        top = lg.topk(2, dim=-1).values
+        stats = torch.stack([torch.logsumexp(lg, -1) - top[..., 0], top[..., 0] - top[..., 1]], -1)
+        z = F.silu(F.linear(torch.cat([hn.float(), stats], -1), w_hs, biases[min(step, MAX_STEPS - 1)]))
+        return torch.sigmoid(F.linear(z, w2, b2)).squeeze(-1)
+
     def save(self, folder: str | Path, drafter: Eagle3Drafter, metrics: dict | None = None) -> None:
         folder = Path(folder)
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(folder / "confidence.safetensors"))
@@ -116,6 +131,8 @@ def _examples(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, f
         alive = ok_tok[:length].clone()  # the chain starting at c is on policy so far
         with torch.no_grad():
             for j, _, hn, logits in ttt_chain(drafter, embed, t_win, f_win, steps):
+                if j >= length:
+                    break
                 # step j at position t (chain start t - j) predicts x_{t+2}; target's choice is g[t+1]
                 pred = d2t[logits[0].argmax(-1)]
                 hit = pred == g[1:length + 1]

@@ -67,6 +67,7 @@ class EagleFeeder:
         self._slot = {s: i for i, s in enumerate(self.sites)}
         self.sub: probe.Subscriber | None = None
         self._d2t = drafter.draft_to_target_ids()
+        self._step = drafter.fast()
         if endpoint is not None:
             self.connect(endpoint)
 
@@ -86,7 +87,9 @@ class EagleFeeder:
         self.seq_base: int | None = None
         self.lo: torch.Tensor | None = None  # per row: first position collected but not yet run
         self.hi: torch.Tensor | None = None  # per row: last position collected
+        self.fed_end: torch.Tensor | None = None  # per row: last position the drafter ran on
         self.ready = False
+        self._no_conf = torch.full((batch,), 0.5, device=p.device)
 
     # --- features in ---------------------------------------------------------------------
     def _collect(self, feeds: list[Feed]) -> None:
@@ -126,11 +129,13 @@ class EagleFeeder:
         span = int((end - start).max()) + 1
         pos = torch.minimum(start[:, None] + torch.arange(span), end[:, None])  # ragged rows repeat their last
         rows = torch.arange(b)[:, None]
-        self.cache.truncate(start)  # drop last round's draft slots
+        # drop the slots drafted after the last position run (a gap, when the loop took the probes off for a
+        # while, stays a gap: those positions were never captured)
+        self.cache.truncate(start if self.fed_end is None else torch.minimum(start, self.fed_end + 1))
         d = self.drafter
         dev = self.feats.device
-        h, hn, logits = d.step(d.fuse(self.feats[rows, pos]), toks[rows, pos + 1].to(dev), pos.to(dev), self.cache,
-                               int(end.max()) + 1)
+        h, hn, logits = self._step(d.fuse(self.feats[rows, pos]), toks[rows, pos + 1].to(dev), pos.to(dev),
+                                   self.cache, int(end.max()) + 1)
         pick = (end - start).to(dev)[:, None, None]
         self.h = h.gather(1, pick.expand(b, 1, h.shape[-1]))
         self.hn = hn.gather(1, pick.expand(b, 1, hn.shape[-1]))
@@ -173,8 +178,10 @@ class EagleFeeder:
                 qs.append(q)
             else:
                 did = lg.argmax(-1)
-            if head is not None:
-                conf = head(head.features(hn[:, 0], lg, i))
+            if prefix is None:  # the fixed-k loop decides nothing from it
+                conf = self._no_conf[:b]
+            elif head is not None:
+                conf = head.score(hn[:, 0], lg, i)
             else:  # no head: the drafter's own probability of its top token
                 conf = (lg.float().max(-1).values - torch.logsumexp(lg.float(), -1)).exp()
             tok = self._d2t[did]
@@ -190,7 +197,7 @@ class EagleFeeder:
                     prefix[r].append(prefix[r][-1] + cum[r])
                 if not plan.worth_another(prefix, cond):
                     break
-            h, hn, logits = d.step(h, tok[:, None], pos0[:, None] + i, self.cache, span + i)
+            h, hn, logits = self._step(h, tok[:, None], pos0[:, None] + i, self.cache, span + i)
         stack = torch.stack
         return Drafts(stack(tokens, 1), stack(ids, 1), stack(confs, 1).float().cpu(),
                       stack(qs, 1) if qs else None, bus_s, time.perf_counter() - t0 - bus_s)

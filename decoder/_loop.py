@@ -78,6 +78,9 @@ class SpeculativeDecoder:
             raise ValueError("schedule='fixed' drafts with one method; 'auto' chooses between EAGLE-3 and n-gram")
         self.sched = Scheduler(k, fixed=schedule == "fixed")
         self._cost = cost
+        self._capturing = True
+        self._valid_on = torch.ones(1, 1, dtype=torch.bool)
+        self._valid_off = torch.zeros(1, 1, dtype=torch.bool)
         self.session = None
         self.feeder: Feeder | None = None
         if self.eagle is not None:
@@ -175,6 +178,8 @@ class SpeculativeDecoder:
 
     def _prefill(self, run: Run) -> None:
         tv = time.perf_counter()
+        if self.session is not None:
+            self._capture(True)  # the drafter needs the prompt's features
         mask, pos = run.prefill_inputs()
         with self._context("prefill"):
             logits = self.target(run.input_ids.to(run.device), attention_mask=mask, position_ids=pos,
@@ -195,17 +200,25 @@ class SpeculativeDecoder:
 
     def _draft(self, run: Run) -> RoundDrafts:
         b, k = run.b, self.k
+        plain = RoundDrafts(run.no_drafts, [0] * b, ["none"] * b)
         if self.feeder is None and self.ngram is None:
-            return RoundDrafts(torch.zeros(b, 0, dtype=torch.long), [0] * b, ["none"] * b)
+            return plain
         active = run.active()
         sched, frozen = run.sched, run.seeded
-        caps = [k if a else -1 for a in active] if sched.fixed else run.caps(k)
+        consult = self.feeder is not None and sched.consult_eagle()
         props, match, overlap = [[] for _ in range(b)], [0] * b, [0.0] * b
         if run.ngram is not None:
             for r in range(b):
                 if active[r]:
                     props[r], match[r] = run.ngram[r].propose(k)
                     overlap[r] = run.ngram[r].overlap
+        if not consult:
+            if self.feeder is not None and len(run.feeds) >= 8:  # keep the bus drained while EAGLE-3 rests
+                run.stats.bus_s += self.feeder.draft(run.feeds, run.toks, 0, run.temperature, None, None).bus_s
+                run.feeds = []
+            if not any(props):  # nothing to weigh: a plain step, without building a plan
+                return plain
+        caps = [k if a else -1 for a in active] if sched.fixed else run.caps(k)
         base = sched.ngram_prefix(props, match, overlap) if run.ngram is not None else [[0.0]] * b
         calib = sched.eagle_calib[run.mode]
         curve = self.cost.curve(b, k, frozen)
@@ -213,7 +226,7 @@ class SpeculativeDecoder:
         rate = plain if frozen else max(plain, run.rate())
         plan = DraftPlan(k, curve, self.cost.step(b, frozen), rate, base, caps, calib.table(), sched.fixed)
         eagle, prefix = None, None
-        if self.feeder is not None and sched.consult_eagle():
+        if consult:
             seed = int(torch.randint(2**31 - 1, (1,), generator=run.gen)) if run.mode == "sample" else None
             eagle = self.feeder.draft(run.feeds, run.toks, k, run.temperature, seed, plan)
             run.feeds = []
@@ -225,13 +238,11 @@ class SpeculativeDecoder:
                     pref.append(pref[-1] + cum)
                 prefix.append(pref)
             run.stats.bus_s += eagle.bus_s
-        elif self.feeder is not None and len(run.feeds) >= 8:  # keep the bus drained while EAGLE-3 rests
-            run.stats.bus_s += self.feeder.draft(run.feeds, run.toks, 0, run.temperature, None, None).bus_s
-            run.feeds = []
         n_eagle = eagle.tokens.shape[1] if eagle is not None else 0
         choice = sched.choose(plan, prefix, props, n_eagle)
-        if eagle is not None:
-            sched.consulted("eagle" in choice.methods)
+        if eagle is not None and not sched.fixed:  # did asking EAGLE-3 pay for its own time?
+            spent = plan.step_cost * n_eagle if frozen else eagle.bus_s + eagle.compute_s
+            sched.consulted(plan.best(prefix)[0] - plan.best(None)[0] - plan.rate * spent)
         return self._assemble(run, choice, eagle, props, match, overlap)
 
     def _assemble(self, run: Run, choice, eagle: Drafts | None, props: list[list[int]], match: list[int],  # noqa: ANN001
@@ -258,6 +269,8 @@ class SpeculativeDecoder:
 
     def _forward(self, run: Run, drafts: RoundDrafts) -> torch.Tensor:
         inp, positions, mask = run.inputs(drafts.tokens)
+        if self.session is not None:  # EAGLE-3 resting for a while: take the probes off the model meanwhile
+            self._capture(run.sched.fixed or run.sched.wait < self.SLEEP_AFTER)
         with self._context("verify", positions):
             return self.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
                                use_cache=True).logits
@@ -282,7 +295,7 @@ class SpeculativeDecoder:
         run.stats.target_forwards += 1
         step = self.session.step if self.session is not None else 0
         start, end = run.advance()
-        if self.feeder is not None:
+        if self.feeder is not None and self._capturing:
             run.feeds.append((step, start, end))
         if run.ngram is not None:
             for r, t in enumerate(kept):
@@ -323,7 +336,8 @@ class SpeculativeDecoder:
                 st.offered_at[i] += 1
                 st.accepted_at[i] += int(n > i)
             self._calibrate(run, drafts, r, m, kr, n)
-        st.history.append((length, rows, offered, accepted))
+        st.history.append((length, rows, offered, accepted,
+                           drafts.eagle.tokens.shape[1] if drafts.eagle is not None else 0))
         run.observe_rate(sum(len(t) for t in kept), now - tr)
         if self._cost is not None and run.b > 0:
             self.cost.observe_verify(run.b, length, now - tv)
@@ -363,13 +377,26 @@ class SpeculativeDecoder:
                 for i in range(min(n + 1, kr)):
                     sched.ngram_calib.update(m, o, i, i < n)
 
+    SLEEP_AFTER = 4  # EAGLE-3 not consulted for this many rounds: remove the probes until shortly before
+
+    def _capture(self, on: bool) -> None:
+        """Probes on the model or off it. Off costs nothing per forward (even a hook that publishes nothing
+        costs a visible share of a small model's step); toggling costs a few ms, so it happens only when
+        EAGLE-3 rests for several rounds. Without session.add/remove, forwards publish nothing instead."""
+        if on == self._capturing:
+            return
+        sites = [f"layers.{i}.resid_pre" for i in self.eagle.config.aux_layer_ids]
+        if hasattr(self.session, "remove"):
+            (self.session.add if on else self.session.remove)(sites)
+        self._capturing = on
+
     def _context(self, phase: str, positions: torch.Tensor | None = None):  # noqa: ANN202
         if self.session is None:
             return contextlib.nullcontext()
         if phase == "prefill":
             return self.session.context(phase="prefill")
         return self.session.context(phase="verify", positions=positions,
-                                    valid=torch.ones(1, 1, dtype=torch.bool))
+                                    valid=self._valid_on if self._capturing else self._valid_off)
 
     @staticmethod
     def _choose(run: Run, logits: torch.Tensor) -> torch.Tensor:

@@ -36,13 +36,16 @@ class Calibrator:
         self.bins, self.prior, self.decay = bins, prior, decay
         self.acc = [0.0] * bins
         self.n = [0.0] * bins
+        self._table: list[float] | None = None
 
     def _bin(self, raw: float) -> int:
         return min(max(int(raw * self.bins), 0), self.bins - 1)
 
     def table(self) -> list[float]:
-        return [(a + self.prior * (i + 0.5) / self.bins) / (n + self.prior)
-                for i, (a, n) in enumerate(zip(self.acc, self.n, strict=True))]
+        if self._table is None:
+            self._table = [(a + self.prior * (i + 0.5) / self.bins) / (n + self.prior)
+                           for i, (a, n) in enumerate(zip(self.acc, self.n, strict=True))]
+        return self._table
 
     def __call__(self, raw: float) -> float:
         i = self._bin(raw)
@@ -52,6 +55,7 @@ class Calibrator:
         i = self._bin(raw)
         self.acc[i] = self.acc[i] * self.decay + accepted
         self.n[i] = self.n[i] * self.decay + 1.0
+        self._table = None
 
 
 class NgramCalibrator:
@@ -139,7 +143,7 @@ class Choice:
 class Scheduler:
     """Per-decoder state: calibration (kept across calls, slowly forgotten) and the EAGLE-3 consult backoff."""
 
-    MAX_BACKOFF = 16
+    MAX_BACKOFF = 64
 
     def __init__(self, k: int, *, fixed: bool = False) -> None:
         self.k, self.fixed = k, fixed
@@ -149,7 +153,7 @@ class Scheduler:
 
     def reset(self) -> None:
         """A new generate call: consult EAGLE-3 at once, whatever the last prompt taught."""
-        self.backoff, self.wait = 1, 0
+        self.backoff, self.wait, self.net = 1, 0, 1.0
 
     def consult_eagle(self) -> bool:
         if self.fixed or self.wait <= 0:
@@ -157,9 +161,11 @@ class Scheduler:
         self.wait -= 1
         return False
 
-    def consulted(self, used: bool) -> None:
-        """After a consult: EAGLE-3 drafted for some row (ask again next round) or was not worth it (back off)."""
-        self.backoff = 1 if used else min(2 * self.backoff, self.MAX_BACKOFF)
+    def consulted(self, net: float) -> None:
+        """After a consult: `net` = tokens the round gained from EAGLE-3's drafts minus what its time would have
+        earned. While that pays on average, ask every round; otherwise back off exponentially."""
+        self.net = 0.5 * self.net + 0.5 * net
+        self.backoff = 1 if self.net > 0 else min(2 * self.backoff, self.MAX_BACKOFF)
         self.wait = self.backoff - 1
 
     def ngram_prefix(self, props: list[list[int]], match: list[int], overlap: list[float]) -> list[list[float]]:

@@ -35,7 +35,8 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     bus_s: float = 0.0
-    history: list[tuple[int, int, int, int]] = field(default_factory=list)  # per round: L, rows, offered, accepted
+    # per round: verify length, active rows, drafts offered, drafts accepted, EAGLE-3 drafts made
+    history: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -103,6 +104,7 @@ class Run:
         self.feeds: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # forwards the drafter has not read yet
         self.ngram: list | None = None
         self._tokens_ema = self._seconds_ema = 0.0
+        self.no_drafts = torch.zeros(b, 0, dtype=torch.long)
 
     def observe_rate(self, tokens: int, seconds: float, alpha: float = 0.1) -> None:
         """The loop's recent throughput (tokens/s over all rows), as a ratio of moving averages."""

@@ -152,6 +152,8 @@ def heldout_acceptance(drafter: Eagle3Drafter, embed: nn.Embedding, seqs: list[t
             alive = torch.ones(length, dtype=torch.bool)
             chains += length
             for j, _, _, logits in ttt_chain(drafter, embed, t_win, feats[s: s + length][None], k):
+                if j >= length:
+                    break
                 pos = torch.arange(j, length)
                 hit = d2t[logits[0, pos].argmax(-1)] == t_win[0, pos + 2]
                 nxt = torch.zeros_like(alive)

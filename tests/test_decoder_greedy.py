@@ -12,8 +12,9 @@ PROMPTS = [[5, 17, 33, 9, 40, 41], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 8]]
 
 
 def assert_same_or_near_tie(model: torch.nn.Module, got: torch.Tensor, want: torch.Tensor,
-                            mask: torch.Tensor) -> None:
-    """Equal sequences; a difference is only tolerated (and reported) at a genuine fp32 near-tie."""
+                            mask: torch.Tensor, tol: float = 1e-4) -> None:
+    """Equal sequences; a difference is only tolerated (and reported) at a genuine near-tie (top-2 logit gap
+    below `tol`: 1e-4 in fp32; bf16 rounds a verify block differently from one-token steps, so ~0.1 there)."""
     if torch.equal(got, want):
         return
     for r in range(want.shape[0]):
@@ -26,10 +27,10 @@ def assert_same_or_near_tie(model: torch.nn.Module, got: torch.Tensor, want: tor
             logits = model(prefix[None]).logits[0, -1]
         top2 = logits.topk(2).values
         gap = float(top2[0] - top2[1])
-        if gap > 1e-4:
+        if gap > tol:
             raise AssertionError(f"row {r} differs at {at}: got {got[r, at:].tolist()} want {want[r, at:].tolist()} "
                                  f"(top-2 logit gap {gap:.2e}: not a near-tie)")
-        pytest.xfail(f"fp32 near-tie at row {r}, position {at}: top-2 logit gap {gap:.2e}")
+        pytest.xfail(f"near-tie at row {r}, position {at}: top-2 logit gap {gap:.2e}")
 
 
 def _drafters(model: torch.nn.Module) -> dict[str, object]:
@@ -109,3 +110,47 @@ def test_scheduler_greedy_equals_generate_and_follows_costs(batch: int) -> None:
         dear = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
     assert_same_or_near_tie(model, dear.sequences, want, mask)
     assert dear.stats.plain_rounds == dear.stats.rounds == 23 and dear.stats.drafted == 0
+
+
+@pytest.mark.parametrize("drafter_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bf16_target_with_every_drafter_dtype(drafter_dtype: torch.dtype) -> None:
+    """A bf16 target feeds bf16 features to a drafter in any dtype; greedy output equals bf16 `generate` up to
+    bf16 near-ties, and sampling runs."""
+    model = build("llama", layers=8, dtype=torch.bfloat16)
+    ids, mask = left_padded(PROMPTS[:2])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=PAD)
+    torch.manual_seed(3)
+    eagle = Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model).to(drafter_dtype)
+    for drafter, kw in ((eagle, {"schedule": "fixed"}), ("auto", {"eagle": eagle}), (NgramDrafter(), {})):
+        with SpeculativeDecoder(model, drafter, k=4, **kw) as spec:
+            out = spec.generate(ids, mask, max_new_tokens=16, pad_token_id=PAD)
+            sampled = spec.generate(ids, mask, max_new_tokens=16, pad_token_id=PAD, temperature=0.8, seed=1)
+        assert out.stats.emitted == 32 and sampled.sequences.shape == want.shape
+        assert_same_or_near_tie(model, out.sequences, want, mask, tol=0.1)
+
+
+def test_streamer_receives_prompt_then_each_accepted_token() -> None:
+    model = build("llama", layers=8)
+    ids, mask = left_padded(PROMPTS[:1])
+
+    class Collect:  # transformers' streamer interface
+        def __init__(self) -> None:
+            self.puts: list[list[int]] = []
+            self.ended = False
+
+        def put(self, value: torch.Tensor) -> None:
+            self.puts.append(value.flatten().tolist())
+
+        def end(self) -> None:
+            self.ended = True
+
+    streamer = Collect()
+    with SpeculativeDecoder(model, NgramDrafter(), k=4, schedule="fixed") as spec:
+        out = spec.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, streamer=streamer)
+        with pytest.raises(ValueError, match="batch size 1"):
+            spec.generate(*left_padded(PROMPTS[:2]), max_new_tokens=4, streamer=Collect())
+    assert streamer.puts[0] == ids[0].tolist() and streamer.ended
+    assert sum(streamer.puts[1:], []) == out.sequences[0, ids.shape[1]:].tolist()
+    assert any(len(p) > 1 for p in streamer.puts[1:])  # accepted drafts arrive together, as they are accepted

@@ -104,3 +104,40 @@ def test_target_probs_top_k_top_p() -> None:
     torch.testing.assert_close(target_probs(logits, 0.5).sum(), torch.tensor(1.0))
     with pytest.raises(ValueError, match="temperature must be > 0"):
         target_probs(logits, 0.0)
+
+
+def test_compact_draft_vocabulary_rule_preserves_p() -> None:
+    """verify_rows as the loop runs it: EAGLE rows sample in a reduced draft vocabulary (draft id j is target id
+    d2t[j]) and only the stop position's residual is built; n-gram rows are point masses. The first emitted
+    token follows p exactly for both kinds of row, and building the residual without the d2t mapping fails."""
+    from decoder import verify_rows
+
+    V_, draft = 8, torch.tensor([1, 2, 4, 6, 7])  # 5-token draft vocabulary, target ids
+    p0, p1, p2 = _dist(30), _dist(31), _dist(32)
+    qd0 = _dist(33)[:5] / _dist(33)[:5].sum()
+    qd1 = _dist(34)[:5] / _dist(34)[:5].sum()
+    g = torch.Generator().manual_seed(5)
+    half = N // 2
+    ids = torch.stack([torch.multinomial(qd0, N, replacement=True, generator=g),
+                       torch.multinomial(qd1, N, replacement=True, generator=g)], 1)
+    drafts = draft[ids]
+    sampled = torch.arange(N) < half  # the other half: deterministic drafts (n-gram rows)
+    drafts[~sampled] = torch.tensor([3, 5])
+    p = torch.stack([p0, p1, p2]).expand(N, 3, V_)
+    q = torch.stack([qd0, qd1]).expand(N, 2, 5)
+    k_rows = torch.full((N,), 2)
+    n, nxt = verify_rows(drafts, k_rows, p, q, ids, draft, sampled, g)
+    first = torch.where(n >= 1, drafts[:, 0], nxt)
+    for rows in (sampled, ~sampled):
+        assert _p_value(torch.bincount(first[rows], minlength=V_).double(), p0.double()) > 1e-3
+    assert set(n.unique().tolist()) == {0, 1, 2}
+    # rows that offer fewer drafts stop there: k_rows = 0 is a plain step that samples p
+    n0, nxt0 = verify_rows(drafts[:half], torch.zeros(half, dtype=torch.long), p[:half], q[:half], ids[:half], draft,
+                           sampled[:half], g)
+    assert int(n0.max()) == 0
+    assert _p_value(torch.bincount(nxt0, minlength=V_).double(), p0.double()) > 1e-3
+    # negative control: the residual built as if draft id j were target id j (no d2t)
+    nb, nxtb = verify_rows(drafts[:half], k_rows[:half], p[:half], q[:half], ids[:half], torch.arange(5),
+                           sampled[:half], g)
+    biased = torch.where(nb >= 1, drafts[:half, 0], nxtb)
+    assert _p_value(torch.bincount(biased, minlength=V_).double(), p0.double()) < 1e-6

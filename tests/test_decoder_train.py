@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from decoder import load_drafter, load_sequences
+from decoder import ConfidenceHead, load_drafter, load_sequences, train_confidence
 from probebus.cli import main
 from probebus.models import DEFAULT_MODEL_DIR
 
@@ -43,6 +44,13 @@ def test_record_then_train_drafter_cli(tmp_path: Path, capsys) -> None:  # noqa:
     assert main(args + ["--steps", "20"]) == 0
     first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert first["resumed_from"] == 0 and first["step"] == 20 and len(first["acc"]) == 3
+    # 5 % of 12 sequences rounds to none; the held-out report needs some
+    assert main(args + ["--steps", "20", "--holdout", "0.25", "--out", str(tmp_path / "held"), "--no-resume"]) == 0
+    held = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert held["heldout_sequences"] == 3 and held["sequences"] == 9
+    assert len(held["heldout"]["acceptance"]) == 5 and all(0 <= a <= 1 for a in held["heldout"]["acceptance"])
+    acc = held["heldout"]["acceptance"]
+    assert all(a >= b for a, b in zip(acc, acc[1:], strict=False))  # all of the first i+1 drafts: non-increasing
     assert main(args + ["--steps", "60"]) == 0  # resumes at step 20 from train_state.pt
     second = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert second["resumed_from"] == 20 and second["step"] == 60 and second["loss"] < first["loss"]
@@ -51,3 +59,42 @@ def test_record_then_train_drafter_cli(tmp_path: Path, capsys) -> None:  # noqa:
     # every token the target generated is in the frequency-chosen draft vocabulary
     seen = torch.cat([t for t, _ in seqs]).unique()
     assert len(seen) <= 256 and bool(drafter.t2d[seen].all())
+
+
+def test_confidence_head_trains_loads_and_refuses_other_weights(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    model = _target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def g{i}(y):\n    return y * {i}\n"}) + "\n" for i in range(8)))
+    sites = "layers.2.resid_pre,layers.4.resid_pre,layers.5.resid_pre"
+    assert main(["record", "--model", str(tmp_path / "target"), "--prompts", str(prompts), "--sites", sites,
+                 "--out", str(tmp_path / "rec"), "--max-new-tokens", "24", "--batch-size", "8"]) == 0
+    assert main(["train-drafter", "--model", str(tmp_path / "target"), "--recording", str(tmp_path / "rec"),
+                 "--out", str(tmp_path / "drafter"), "--window", "16", "--batch", "4", "--draft-vocab", "256",
+                 "--steps", "10"]) == 0
+    drafter = load_drafter(tmp_path / "drafter", model)
+    assert drafter.confidence is None
+    metrics = train_confidence(model, drafter, tmp_path / "rec", tmp_path / "drafter", steps=3, window=16,
+                               train_steps=20, holdout=0.25, progress=False)
+    assert metrics["train_examples"] > 0 and "auc" in metrics["heldout"]
+    head = load_drafter(tmp_path / "drafter", model).confidence
+    assert isinstance(head, ConfidenceHead)
+    hn, logits = torch.randn(3, 64), torch.randn(3, 256)
+    for step in (0, 2, 9):
+        torch.testing.assert_close(head.score(hn, logits, step), head(head.features(hn, logits, step)))
+    # retrain the drafter: the old head no longer fits its weights and is ignored, with a warning
+    assert main(["train-drafter", "--model", str(tmp_path / "target"), "--recording", str(tmp_path / "rec"),
+                 "--out", str(tmp_path / "drafter"), "--window", "16", "--batch", "4", "--draft-vocab", "256",
+                 "--steps", "5", "--no-resume"]) == 0
+    with caplog.at_level("WARNING", logger="decoder"):
+        assert load_drafter(tmp_path / "drafter", model).confidence is None
+    assert "trained for other drafter weights" in caplog.text
+
+
+@pytest.mark.parametrize("problem", ["missing", "empty"])
+def test_train_drafter_on_a_bad_recording_is_one_line(tmp_path: Path, capsys, problem: str) -> None:  # noqa: ANN001
+    rec = tmp_path / "rec"
+    if problem == "empty":
+        rec.mkdir()
+    assert main(["train-drafter", "--recording", str(rec), "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("probebus train-drafter: --recording") and "Traceback" not in err[0]

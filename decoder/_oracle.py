@@ -1,0 +1,149 @@
+"""The oracle bound: the best method and draft length per round, known in hindsight.
+
+    res = oracle_bound(spec, input_ids, mask, max_new_tokens=96)   # spec: a SpeculativeDecoder with "auto"
+    res.speedup, res.tau, res.choices                             # against plain steps, on the cost model's clock
+    simulated_seconds(out.stats, spec.cost)                       # the same clock for a real run
+
+Each round, EAGLE-3 drafts k and n-gram proposes k; the target verifies each proposal in
+its own forward (not counted), so the accepted length of every method is known; the round
+then takes the verify length and per-row method with the most tokens per second on the
+measured cost curve ("oracle combine", as in "Speculative Decoding: Performance or
+Illusion?"). A final forward commits the chosen tokens (not counted) so both drafters see
+the sequence they would have seen. At T > 0 picking the better of two random outcomes
+biases the output: this is a bound on speed, not a sampler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ._state import SpecStats
+from ._verify import target_probs, verify_greedy_rows, verify_rows
+
+
+@dataclass
+class OracleResult:
+    tokens: int = 0
+    rounds: int = 0
+    seconds: float = 0.0  # simulated: prefill (measured) + the chosen rounds on the cost curve
+    plain_seconds: float = 0.0  # simulated plain decoding of the same tokens
+    accepted: int = 0
+    row_rounds: int = 0
+    choices: dict[str, int] = field(default_factory=lambda: {"eagle": 0, "ngram": 0, "none": 0})
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_seconds / max(self.seconds, 1e-12)
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.row_rounds) / max(self.row_rounds, 1)
+
+
+def simulated_seconds(stats: SpecStats, cost, prefill: float = 0.0) -> float:  # noqa: ANN001 - a CostModel
+    """A run's decode time on the cost model's clock: verify forwards by length, plus drafter steps."""
+    b = stats.batch
+    total = prefill
+    for h in stats.history:
+        total += cost.verify(b, h[0], frozen=True) + h[4] * cost.step(b, frozen=True)  # catch-up ~ one step
+    return total
+
+
+@torch.no_grad()
+def oracle_bound(spec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,  # noqa: ANN001
+                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = 0) -> OracleResult:
+    if spec.feeder is None or spec.ngram is None:
+        raise ValueError("the oracle compares EAGLE-3 and n-gram: build the decoder with drafter='auto'")
+    k = spec.k
+    run = spec._start(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, None, seed, None)
+    t0 = time.perf_counter()
+    spec._prefill(run)
+    res = OracleResult(seconds=time.perf_counter() - t0)
+    res.plain_seconds = res.seconds
+    b, cost = run.b, spec.cost
+    curve = [cost.verify(b, length, frozen=True) for length in range(1, k + 2)]
+    step = cost.step(b, frozen=True)
+    dev = run.device
+    while run.any_active():
+        active = run.active()
+        caps = run.caps(k)
+        eagle = spec.feeder.draft(run.feeds, run.toks, k, temperature, None if seed is None else seed + res.rounds,
+                                  None)
+        run.feeds = []
+        props = [run.ngram[r].propose(k)[0] if active[r] else [] for r in range(b)]
+        ngram = torch.zeros(b, k, dtype=torch.long)
+        for r, p in enumerate(props):
+            ngram[r, : len(p)] = torch.tensor(p, dtype=torch.long)
+        outcome = {}
+        for name, drafts, k_rows in (("eagle", eagle.tokens.cpu(), [k] * b),
+                                     ("ngram", ngram, [len(p) for p in props])):
+            inp, positions, mask = run.inputs(drafts)
+            with spec.session.context(phase="verify", positions=positions, valid=torch.zeros(1, 1, dtype=torch.bool)):
+                logits = spec.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
+                                     use_cache=True).logits
+            run.cache.crop(-inp.shape[1])
+            kr = torch.tensor(k_rows, device=dev)
+            if temperature <= 0:
+                n, _ = verify_greedy_rows(drafts.to(dev), kr, logits)
+                p = None
+            else:
+                p = target_probs(logits, temperature, top_k, top_p)
+                sampled = torch.full((b,), name == "eagle", device=dev)
+                q = eagle.q.to(dev) if name == "eagle" else None
+                d2t = spec.eagle.draft_to_target_ids().to(dev)
+                n, _ = verify_rows(drafts.to(dev), kr, p, q, eagle.ids.to(dev), d2t, sampled, run.gen)
+            outcome[name] = (drafts, n.tolist(), logits, p)
+        # hindsight: the verify length and per-row method with the most tokens per second
+        best = (-1.0, 1, None)
+        for length in range(1, k + 2):
+            for allow_eagle in (False, True):
+                tokens, used, steps = 0, [], 0
+                for r in range(b):
+                    if not active[r]:
+                        used.append(("none", 0))
+                        continue
+                    m = min(length - 1, caps[r])
+                    cand = [("none", 0), ("ngram", min(outcome["ngram"][1][r], m))]
+                    if allow_eagle:
+                        cand.append(("eagle", min(outcome["eagle"][1][r], m)))
+                    name, acc = max(cand, key=lambda c: c[1])
+                    used.append((name, acc))
+                    tokens += 1 + acc
+                    if name == "eagle":
+                        steps = max(steps, acc)
+                secs = curve[length - 1] + (step * steps if allow_eagle and steps else 0.0)
+                if tokens / secs > best[0]:
+                    best = (tokens / secs, length, used, secs)
+        _, length, used, secs = best
+        # commit: the chosen accepted drafts, then the target's own next token at that slot
+        n_use = max((a for _, a in used), default=0)
+        chosen = torch.zeros(b, n_use, dtype=torch.long)
+        nxt = []
+        for r, (name, acc) in enumerate(used):
+            src = outcome["ngram" if name == "none" else name]
+            chosen[r, :acc] = src[0][r, :acc]
+            slot = src[2][r, acc] if src[3] is None else src[3][r, acc]
+            nxt.append(int(slot.argmax()) if src[3] is None else int(torch.multinomial(slot, 1, generator=run.gen)))
+            if active[r]:
+                res.choices[name if acc else "none"] += 1
+                res.accepted += acc
+                res.row_rounds += 1
+        inp, positions, mask = run.inputs(chosen)
+        with spec.session.context(phase="verify", positions=positions, valid=torch.ones(1, 1, dtype=torch.bool)):
+            spec.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache, use_cache=True)
+        kept = run.commit([a for _, a in used], nxt, chosen)
+        start, end = run.advance()
+        run.feeds.append((spec.session.step, start, end))
+        for r, t in enumerate(kept):
+            if t:
+                run.ngram[r].extend(t)
+        res.tokens += sum(len(t) for t in kept)
+        res.rounds += 1
+        res.seconds += secs
+    res.tokens += b  # the prefill's tokens
+    res.plain_seconds += (max(run.emitted) - 1) * curve[0]
+    return res
