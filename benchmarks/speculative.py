@@ -1,28 +1,49 @@
-"""Speculative decoding on the shipped default model: probebus EAGLE-3, n-gram and auto against
-plain `generate`, HF prompt lookup and (when an assistant is given) HF assisted generation.
+"""Speculative decoding on prompts nothing was tuned on: plain `generate`, HF prompt lookup, probebus n-gram,
+EAGLE-3, the round scheduler (auto) and the oracle bound, per prompt set, batch size and temperature.
 
-    python benchmarks/speculative.py                       # held-out prompts, batch 1 and 8
-    python benchmarks/speculative.py --quick               # smoke run
+    python benchmarks/speculative.py                        # everything: 3 sets x batch 1, 8 x T 0, 0.8 (~30 min)
+    python benchmarks/speculative.py --quick                # smoke run (~2 min)
+    python benchmarks/speculative.py --sets prose --batches 1 --temperatures 0
 
-Greedy decoding, fp32, 2 threads. Every method runs the same held-out prompts in the same
-process; repeats are interleaved (rotating order) and the median wall time is reported.
-tau = mean tokens per verification round (bonus included); tokens/forward counts target
-forwards with a hook (prefill included), so HF methods get the same measure.
+Sets (benchmarks/prompts/*.jsonl, see benchmarks/_prompt_sets.py): held-out stdlib files,
+unseen third-party Python code, English prose. Each condition runs every method over the
+whole set, repeated with a rotating order (interleaved), and reports the median and the
+range of throughput and of the speedup against plain `generate` of the same repeat.
+Plain `generate` and HF prompt lookup run with no probe attached (each probebus decoder is
+built before and closed after its own timed run). tau = tokens per row per verification
+round (bonus included, plain rounds count 1); tok/fwd counts target forwards (prefill
+included). "same" counts rows whose greedy output equals plain `generate`.
+
+The oracle bound takes, per round in hindsight, the method (EAGLE-3, n-gram, none) and
+draft length with the most tokens per second; it runs on the cost model's clock (the
+target's forward time by length measured at load, and the drafter's step), so it is
+printed next to the scheduler's run timed on that same clock.
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from decoder import NgramDrafter, RemoteEagle, SpeculativeDecoder, load_drafter
-from probebus._code_prompts import code_prompts
-from probebus._load import load_model, resolve_drafter
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _prompt_sets import SETS, load_sets  # noqa: E402
+
+from decoder import (  # noqa: E402
+    CostModel,
+    NgramDrafter,
+    RemoteEagle,
+    SpeculativeDecoder,
+    load_drafter,
+    oracle_bound,
+    simulated_seconds,
+)
+from probebus._load import load_model  # noqa: E402
 
 
 class ForwardCounter:
@@ -37,102 +58,185 @@ class ForwardCounter:
         self.h.remove()
 
 
-def run_method(name: str, model, tok, prompts: list[str], batch: int, k: int, assistant) -> dict:  # noqa: ANN001
-    new_tokens, forwards, rounds_tau = 0, 0, []
-    outs = []
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        enc = tok(prompts[i: i + batch], return_tensors="pt", padding=True)
-        kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                  pad_token_id=tok.pad_token_id, eos_token_id=None)
-        if name.startswith("hf") or name == "plain generate":
-            counter = ForwardCounter(model)
-            if name == "hf prompt lookup":
-                kw["prompt_lookup_num_tokens"] = k
-            if name == "hf assisted":
-                kw["assistant_model"] = assistant
-            with torch.no_grad():
-                seq = model.generate(**enc, **kw)
-            counter.close()
-            forwards += counter.n
+def no_hooks(model: torch.nn.Module) -> bool:
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def make(name: str, model, drafter, cost: CostModel, k: int, remote_addr: str | None):  # noqa: ANN001, ANN201
+    if name == "n-gram":
+        return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule="fixed", cost=cost)
+    if name == "EAGLE-3":
+        return SpeculativeDecoder(model, drafter, k=k, schedule="fixed", cost=cost)
+    if name == "EAGLE-3 remote":
+        return SpeculativeDecoder(model, RemoteEagle(remote_addr, timeout=120), k=k, schedule="fixed", cost=cost)
+    if name == "auto":
+        return SpeculativeDecoder(model, "auto", eagle=drafter, k=k, cost=cost)
+    raise ValueError(name)
+
+
+def run_method(name: str, model, tok, prompts: list[str], batch: int, temp: float, args, drafter, cost,  # noqa: ANN001
+               remote_addr: str | None = None) -> dict:
+    spec = None if name in ("plain", "HF prompt lookup") else make(name, model, drafter, cost, args.k, remote_addr)
+    if spec is None and not no_hooks(model):
+        raise RuntimeError("a probe is still attached while timing a baseline")
+    tokens = forwards = 0
+    outs, stats = [], []
+    seconds = 0.0
+    try:
+        for i in range(0, len(prompts), batch):
+            enc = tok(prompts[i: i + batch], return_tensors="pt", padding=True)
+            if spec is None:
+                kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=tok.pad_token_id,
+                          eos_token_id=None, do_sample=temp > 0)
+                if temp > 0:
+                    kw.update(temperature=temp, top_k=None, top_p=None)
+                if name == "HF prompt lookup":
+                    kw["prompt_lookup_num_tokens"] = args.k
+                counter = ForwardCounter(model)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    seq = model.generate(**enc, **kw)
+                seconds += time.perf_counter() - t0
+                counter.close()
+                forwards += counter.n
+            else:
+                t0 = time.perf_counter()
+                out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=args.new_tokens,
+                                    temperature=temp, pad_token_id=tok.pad_token_id)
+                seconds += time.perf_counter() - t0
+                forwards += out.stats.target_forwards
+                stats.append(out.stats)
+                seq = out.sequences
             new = seq[:, enc.input_ids.shape[1]:]
-        else:
-            out = SPECS[name].generate(enc.input_ids, enc.attention_mask, max_new_tokens=args.new_tokens,
-                                       pad_token_id=tok.pad_token_id)
-            forwards += out.stats.target_forwards
-            rounds_tau.append((out.stats.tau, out.stats.row_rounds))
-            new = out.sequences[:, enc.input_ids.shape[1]:]
-        new_tokens += new.numel()
-        outs.extend(new.tolist())
-    secs = time.perf_counter() - t0
-    tau = sum(t * r for t, r in rounds_tau) / max(sum(r for _, r in rounds_tau), 1) if rounds_tau else None
-    return {"seconds": secs, "tokens": new_tokens, "forwards": forwards, "tau": tau, "outs": outs}
+            tokens += new.numel()
+            outs.extend(new.tolist())
+    finally:
+        if spec is not None:
+            spec.close()
+    row_rounds = sum(s.row_rounds for s in stats)
+    tau = sum(s.tau * s.row_rounds for s in stats) / row_rounds if row_rounds else None
+    return {"seconds": seconds, "tokens": tokens, "forwards": forwards, "tau": tau, "outs": outs, "stats": stats}
 
 
-def main() -> None:
+def oracle(model, tok, prompts: list[str], batch: int, temp: float, args, drafter, cost) -> dict:  # noqa: ANN001
+    spec = SpeculativeDecoder(model, "auto", eagle=drafter, k=args.k, cost=cost)
+    o_sec = p_sec = auto_sec = 0.0
+    tau_num = tau_den = 0.0
+    try:
+        for i in range(0, len(prompts), batch):
+            enc = tok(prompts[i: i + batch], return_tensors="pt", padding=True)
+            res = oracle_bound(spec, enc.input_ids, enc.attention_mask, max_new_tokens=args.new_tokens,
+                               temperature=temp, seed=i)
+            prefill = res.plain_seconds - (args.new_tokens - 1) * cost.verify(enc.input_ids.shape[0], 1, frozen=True)
+            out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=args.new_tokens, temperature=temp,
+                                pad_token_id=tok.pad_token_id)
+            o_sec += res.seconds
+            p_sec += res.plain_seconds
+            auto_sec += simulated_seconds(out.stats, cost, prefill)
+            tau_num += res.tau * res.row_rounds
+            tau_den += res.row_rounds
+    finally:
+        spec.close()
+    return {"speedup": p_sec / o_sec, "auto_speedup": p_sec / auto_sec, "tau": tau_num / max(tau_den, 1)}
+
+
+def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float, args, drafter, cost,  # noqa: ANN001
+              remote_addr: str | None) -> None:
+    methods = ["plain", "n-gram", "EAGLE-3", "auto"]
+    if batch == 1:
+        methods.insert(1, "HF prompt lookup")
+    if remote_addr:
+        methods.insert(-1, "EAGLE-3 remote")
+    b = min(batch, len(prompts))
+    cost.ensure(b, args.k, drafter)
+    for m in methods:  # warm-up (first-call costs, the cost curve's measurement), not timed
+        run_method(m, model, tok, prompts[:b], b, temp, _short(args), drafter, cost, remote_addr)
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    for rep in range(args.repeats):
+        for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:
+            runs[m].append(run_method(m, model, tok, prompts, batch, temp, args, drafter, cost, remote_addr))
+    ref = runs["plain"][0]["outs"]
+    print(f"\n{name}, batch {batch}, T={temp:g}: {len(prompts)} prompts x {args.new_tokens} tokens, "
+          f"{args.repeats} interleaved repeats, median [range]")
+    print(f"  {'method':17s} {'tok/s':>7s} {'[range]':>15s} {'speedup':>8s} {'[range]':>13s} {'tau':>5s} "
+          f"{'tok/fwd':>7s} {'same':>6s}")
+    for m in methods:
+        rs = runs[m]
+        tps = [r["tokens"] / r["seconds"] for r in rs]
+        sp = [p["seconds"] / r["seconds"] for p, r in zip(runs["plain"], rs, strict=True)]
+        tau = f"{rs[0]['tau']:.2f}" if rs[0]["tau"] is not None else "-"
+        same = sum(a == b for a, b in zip(rs[0]["outs"], ref, strict=True)) if temp == 0 else None
+        print(f"  {m:17s} {statistics.median(tps):7.1f} {f'[{min(tps):.1f}-{max(tps):.1f}]':>15s} "
+              f"{statistics.median(sp):7.2f}x {f'[{min(sp):.2f}-{max(sp):.2f}]':>13s} {tau:>5s} "
+              f"{rs[0]['tokens'] / max(rs[0]['forwards'] * batch, 1):7.2f} "
+              f"{'-' if same is None else f'{same}/{len(ref)}':>6s}")
+    if not args.no_oracle:
+        o = oracle(model, tok, prompts, batch, temp, args, drafter, cost)
+        print(f"  {'oracle bound':17s} {'':>7s} {'':>15s} {o['speedup']:7.2f}x {'(cost model)':>13s} {o['tau']:5.2f}"
+              f"   -- auto on the same clock: {o['auto_speedup']:.2f}x")
+    if batch != 1:
+        print("  (HF prompt lookup supports batch size 1 only)")
+
+
+def _short(args: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "new_tokens": min(args.new_tokens, 8)})
+
+
+def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    model, tok = load_model("default")
-    prompts = code_prompts("heldout", args.prompts)
-    drafter = load_drafter(resolve_drafter(args.drafter), model)
-    global SPECS
-    server = subprocess.Popen([sys.executable, "-m", "decoder", "--bind", "tcp://127.0.0.1:47920",
-                               "--drafter", args.drafter])
-    remote = RemoteEagle("tcp://127.0.0.1:47920", timeout=120)
-    SPECS = {
-        "probebus n-gram": SpeculativeDecoder(model, NgramDrafter(), k=args.k),
-        "probebus EAGLE-3": SpeculativeDecoder(model, drafter, k=args.k),
-        "EAGLE-3 remote": SpeculativeDecoder(model, remote, k=args.k),
-        "probebus auto": SpeculativeDecoder(model, "auto", eagle=drafter, k=args.k),
-    }
-    assistant = load_model(args.assistant)[0] if args.assistant else None
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"machine: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"target: default ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, fp32), drafter "
-          f"{args.drafter}, k={args.k}, {len(prompts)} held-out prompts, {args.new_tokens} new tokens, greedy")
-    for batch in args.batches:
-        methods = ["plain generate", "probebus n-gram", "probebus EAGLE-3", "EAGLE-3 remote", "probebus auto"]
-        if batch == 1:
-            methods.insert(1, "hf prompt lookup")
-            if assistant is not None:
-                methods.insert(2, "hf assisted")
-        runs: dict[str, list[dict]] = {m: [] for m in methods}
-        run_method("plain generate", model, tok, prompts[:batch], batch, args.k, assistant)  # warm-up
-        for rep in range(args.repeats):
-            for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:
-                runs[m].append(run_method(m, model, tok, prompts, batch, args.k, assistant))
-        base = statistics.median(r["seconds"] for r in runs["plain generate"])
-        ref = runs["plain generate"][0]["outs"]
-        print(f"\nbatch {batch}: median of {args.repeats} interleaved repeats")
-        print(f"  {'method':18s} {'tau':>5s} {'tok/fwd':>8s} {'tok/s':>8s} {'speedup':>8s} {'same as plain':>14s}")
-        for m in methods:
-            r = runs[m][0]
-            secs = statistics.median(x["seconds"] for x in runs[m])
-            tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
-            same = sum(a == b for a, b in zip(r["outs"], ref, strict=True))
-            print(f"  {m:18s} {tau:>5s} {r['tokens'] / max(r['forwards'] * batch, 1):8.2f} "
-                  f"{r['tokens'] / secs:8.1f} {base / secs:7.2f}x {same:>8d}/{len(ref)}")
-        if batch != 1:
-            print("  (HF prompt lookup and assisted generation support batch size 1 only)")
-    for s in SPECS.values():
-        s.close()
-    remote.shutdown()
-    server.wait(30)
-    print("EAGLE-3 remote = the same drafter in its own process (features over the bus, drafts over REQ/REP)")
+    model, tok = load_model(args.model)
+    drafter = load_drafter(args.drafter, model)
+    sets = load_sets(args.sets)
+    cost = CostModel.for_target(model, refresh=args.refresh_cost)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor() or "?")
+    print(f"machine: {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+          f"python {platform.python_version()}")
+    print(f"target: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {model.dtype}), "
+          f"drafter {drafter.source} (confidence head: {'yes' if drafter.confidence is not None else 'no'}), "
+          f"k={args.k}, {args.new_tokens} new tokens")
+    remote_addr, server = None, None
+    if args.remote:
+        import subprocess
+
+        remote_addr = "tcp://127.0.0.1:47920"
+        server = subprocess.Popen([sys.executable, "-m", "probebus", "serve-drafter", "--bind", remote_addr,
+                                   "--model", args.model, "--drafter", args.drafter])
+    try:
+        for name in args.sets:
+            prompts = sets[name][: args.prompts]
+            for temp in args.temperatures:
+                for batch in args.batches:
+                    condition(model, tok, name, prompts, batch, temp, args, drafter, cost, remote_addr)
+        for b in sorted({min(x, args.prompts) for x in args.batches}):
+            c = cost.curve(b, args.k, frozen=True)
+            print(f"cost curve at batch {b} (forward of L tokens / 1 token): "
+                  f"{[round(x / c[0], 2) for x in c]}, 1 token = {c[0] * 1e3:.2f} ms, drafter step "
+                  f"{cost.step(b, frozen=True) * 1e3:.2f} ms")
+    finally:
+        if server is not None:
+            RemoteEagle(remote_addr, timeout=30).shutdown()
+            server.wait(30)
+    return 0
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 prompts, 24 tokens, 1 repeat, batch 1 and 4")
+    ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS, help="prompt sets (default: all)")
+    ap.add_argument("--prompts", type=int, default=24, help="prompts per set (default: %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=96, help="(default: %(default)s)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="(default: %(default)s)")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8], help="(default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: %(default)s)")
+    ap.add_argument("--k", type=int, default=5, help="draft length of the fixed rows, longest draft of auto")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    ap.add_argument("--model", default="default")
     ap.add_argument("--drafter", default="default")
-    ap.add_argument("--assistant", default=None, help="a smaller model folder for HF assisted generation")
-    args = ap.parse_args()
-    if args.quick:
-        args.prompts, args.new_tokens, args.repeats, args.batches = 4, 24, 1, [1, 4]
-    SPECS: dict = {}
-    sys.exit(main())
+    ap.add_argument("--remote", action="store_true", help="add EAGLE-3 with the drafter in another process")
+    ap.add_argument("--no-oracle", action="store_true", help="skip the oracle bound (it costs 3 forwards a round)")
+    ap.add_argument("--refresh-cost", action="store_true", help="measure the cost curve again")
+    a = ap.parse_args()
+    if a.quick:
+        a.prompts, a.new_tokens, a.repeats, a.batches = 4, 24, 1, [1, 4]
+    sys.exit(main(a))
