@@ -55,3 +55,13 @@ def test_generate_json_with_the_default_drafter_matches_no_drafter() -> None:
     assert outs["default"]["text"] and outs["default"]["stats"]["tau"] > outs["none"]["stats"]["tau"] == 1.0
     bad = _run("generate", "--model", "default", "--drafter", "/nonexistent", "--prompt", "x")
     assert bad.returncode == 2 and "no config.json" in bad.stderr
+
+
+@pytest.mark.parametrize("command", ["sites", "demo", "record", "inspect", "top"])
+def test_every_option_has_help_text(command: str) -> None:
+    from probebus.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    missing = [a.option_strings or a.dest for a in sub._actions if not a.help and a.dest != "help"]
+    assert not missing, f"{command}: options without help text: {missing}"

@@ -8,6 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pyarrow.compute as pa_compute
 import pytest
 import torch
 from _exporters_helpers import ROOT, probebus_cli, save_model_with_tokenizer, tiny_llama
@@ -95,6 +96,8 @@ def test_record_endpoint_own_process_clean_stop_loses_nothing(tmp_path: Path) ->
     assert summary["clean"] and summary["captures"] == published and summary["dropped"] == 0
     t = exporters.read_recording(out)
     assert t.num_rows == summary["rows"] and len(set(t["run"].to_pylist())) == 1
+    manifest = json.loads((out / "_manifest.json").read_text())  # what the session said about itself
+    assert manifest["model"] == session.info.model and manifest["config_hash"] == session.info.config_hash != ""
 
 
 def test_top_live_view_of_a_running_session(capsys: pytest.CaptureFixture) -> None:
@@ -137,3 +140,29 @@ def test_help_and_usage_errors(capsys: pytest.CaptureFixture) -> None:
     assert "give --model M" in capsys.readouterr().err
 
 
+
+
+def test_record_bf16_end_to_end(tmp_path: Path) -> None:
+    """--dtype bfloat16: bf16 captures, float32 columns on disk, bf16 tensors back, equal to the model's states."""
+    out = tmp_path / "rec"
+    r = probebus_cli(["record", "--model", "default", "--dtype", "bfloat16", "--prompt", "def parse_args(argv):\n",
+                      "--max-new-tokens", "4", "--sites", "layers.*.resid_post,final_norm", "--out", str(out),
+                      "--json"], timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["clean"]
+    rec = exporters.read_recording(out)
+    field = rec.schema.field("activation")
+    assert str(field.type) == "list<item: float>" and field.metadata[b"probebus.dtype"] == b"bfloat16"
+    cache = rec.cache(0)
+    assert all(t.dtype == torch.bfloat16 for t in cache.values())
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "probebus" / "models" / "default", dtype=torch.bfloat16)
+    prompt_len = int((torch.tensor([p == "prefill" for p in rec.filter(
+        pa_compute.equal(rec["site"].cast("string"), "final_norm"))["phase"].to_pylist()])).sum())
+    with torch.no_grad():
+        hs = model(cache.token_ids[None], output_hidden_states=True).hidden_states
+    for i in range(7):
+        got, want = cache[f"layers.{i}.resid_post"], hs[i + 1][0]
+        assert torch.equal(got[:prompt_len], want[:prompt_len])  # the prefill is the same forward: same bits
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)  # decode steps: bf16 noise
