@@ -21,6 +21,9 @@ The worker side is `probe/_vllm_worker.py`.
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
@@ -52,6 +55,14 @@ class WorkerExtension:
         self._probebus = probe
         return {"endpoint": probe.endpoint, "sites": probe.sites, "tp_rank": probe.tp_rank,
                 "pp_rank": probe.pp_rank, "publishing": probe.publishing}
+
+    def probebus_attach_json(self, spec: str) -> dict:
+        """`probebus_attach` with its arguments as one JSON object: vLLM's HTTP `/collective_rpc`
+        route (a server in dev mode) passes only strings."""
+        a = json.loads(spec)
+        return self.probebus_attach(a["sites"], a.get("endpoint"), a.get("policy", "complete"), a["run"],
+                                    int(a.get("capacity_bytes", 64 << 20)), a.get("stall_timeout", 60.0),
+                                    a.get("model_name", ""))
 
     def probebus_detach(self, timeout: float = 30.0) -> dict:
         probe = getattr(self, "_probebus", None)
@@ -192,6 +203,38 @@ def _rpc_of(llm: Any) -> Any:
     return call
 
 
+class HttpEngine:
+    """A vLLM server seen through its dev-mode `/collective_rpc` route (VLLM_SERVER_DEV_MODE=1),
+    with the `collective_rpc` surface `attach` needs: `attach(HttpEngine(url), sites)`."""
+
+    def __init__(self, url: str, timeout: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        if method == "probebus_attach":  # the route passes strings only
+            keys = ("sites", "endpoint", "policy", "run", "capacity_bytes", "stall_timeout", "model_name")
+            method, args = "probebus_attach_json", (json.dumps(dict(zip(keys, args, strict=True))),)
+        elif method in ("probebus_detach", "probebus_wait_for_subscribers"):
+            args = ()  # defaults on the worker side (strings would not do for numbers)
+        body = json.dumps({"method": method, "args": list(args), "timeout": self.timeout}).encode()
+        req = urllib.request.Request(f"{self.url}/collective_rpc", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read() or b"{}").get("results", [])
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            if exc.code == 404:
+                raise RuntimeError(f"{self.url} has no /collective_rpc route: start vLLM with VLLM_SERVER_DEV_MODE=1 "
+                                   "and --worker-extension-cls probe.vllm.WorkerExtension") from None
+            if "probebus_" in detail and "attribute" in detail:
+                raise AttributeError(f"{method}: {detail}") from None
+            raise RuntimeError(f"{self.url}/collective_rpc answered {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise RuntimeError(f"cannot reach the vLLM server at {self.url}: {exc}") from None
+
+
 def attach(llm: Any, sites: str | Iterable[str], *, endpoint: str | None = None, policy: str = "complete",
            capacity_bytes: int = 64 << 20, stall_timeout: float | None = 60.0, run: str | None = None) -> VllmSession:
     """Attach probes to every worker of a running vLLM engine (an `LLM`, or anything with
@@ -217,7 +260,8 @@ def _model_name(llm: Any) -> str:
     try:
         return str(llm.llm_engine.model_config.model)
     except AttributeError:
-        return ""
+        return getattr(llm, "url", "")
 
 
-__all__ = ["ENGINE_KWARGS", "EXTENSION", "Subscriber", "VllmSession", "WorkerExtension", "attach", "list_sites"]
+__all__ = ["ENGINE_KWARGS", "EXTENSION", "HttpEngine", "Subscriber", "VllmSession", "WorkerExtension", "attach",
+           "list_sites"]

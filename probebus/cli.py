@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_sites)
 
-    for module in ("probebus._cmd_demo", "probebus._cmd_exporters", "probebus._cmd_decoder"):
+    for module in ("probebus._cmd_demo", "probebus._cmd_exporters", "probebus._cmd_decoder", "probebus._cmd_vllm"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as exc:
