@@ -118,9 +118,9 @@ def parse_capture(frames: list) -> Capture:
 
 
 class Subscriber:
-    """Connects to `endpoint` and yields `Capture`s for the requested sites (all by default)."""
+    """Connects to `endpoint` (or several) and yields `Capture`s for the requested sites (all by default)."""
 
-    def __init__(self, endpoint: str, sites: str | Iterable[str] | None = None, *, rcvhwm: int = 1000,
+    def __init__(self, endpoint: str | list[str], sites: str | Iterable[str] | None = None, *, rcvhwm: int = 1000,
                  curve_server_key: bytes | None = None, context: zmq.Context | None = None) -> None:
         self.endpoint = endpoint
         self.matcher = SiteMatcher(sites)
@@ -148,7 +148,8 @@ class Subscriber:
         # Subscribed last: once the publisher sees it, all topic filters above are in place.
         self.presence = PRESENCE + uuid.uuid4().hex.encode()  # this subscriber's private topic
         self._sock.setsockopt(zmq.SUBSCRIBE, self.presence)
-        self._sock.connect(endpoint)
+        for e in [endpoint] if isinstance(endpoint, str) else endpoint:  # one per pipeline stage on vLLM
+            self._sock.connect(e)
         self._closed = False
 
     def recv(self, timeout: float | None = None) -> Capture | None:
