@@ -242,7 +242,8 @@ class Publisher:
         """End the stream: the control thread sends `end_body` and lingers up to `timeout` s for acks."""
         if self._closing.is_set():
             return
-        self._end_body = {**end_body, "counts": {k.decode(): v for k, v in self.counts.items()}}
+        self._end_body = {**end_body, "endpoint": self.endpoint,
+                          "counts": {k.decode(): v for k, v in self.counts.items()}}
         self._deadline = time.monotonic() + timeout
         _LINGERING[self.endpoint] = self
         self._closing.set()

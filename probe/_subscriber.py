@@ -148,8 +148,11 @@ class Subscriber:
         # Subscribed last: once the publisher sees it, all topic filters above are in place.
         self.presence = PRESENCE + uuid.uuid4().hex.encode()  # this subscriber's private topic
         self._sock.setsockopt(zmq.SUBSCRIBE, self.presence)
-        for e in [endpoint] if isinstance(endpoint, str) else endpoint:  # one per pipeline stage on vLLM
+        endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        for e in endpoints:  # one per pipeline stage on vLLM
             self._sock.connect(e)
+        self._publishers = len(endpoints)  # the stream ends with an end-of-stream from each
+        self._ended_from: set[str] = set()
         self._closed = False
 
     def recv(self, timeout: float | None = None) -> Capture | None:
@@ -231,12 +234,18 @@ class Subscriber:
         counts = body.get("counts")
         if not isinstance(counts, dict):
             raise WireError("control", "end of stream without counts")
-        self.end_counts = {str(k): int(v) for k, v in counts.items()}
-        for site, n in self.end_counts.items():  # what never arrived at the tail of each site's stream
+        source = str(body.get("endpoint", ""))
+        if source in self._ended_from:  # the publisher repeats it until acknowledged
+            return
+        self._ended_from.add(source)
+        ends = {str(k): int(v) for k, v in counts.items()}
+        for site, n in ends.items():  # what never arrived at the tail of each site's stream
             if self.matcher.everything or self.matcher.matches(site):
                 self.stats.missed += max(0, n - self._next_seq.get(site, 0))
-        self.ended = True  # acknowledge, so the publisher may close its socket
-        self._sock.setsockopt(zmq.UNSUBSCRIBE, self.presence)
+        self.end_counts = {**(self.end_counts or {}), **ends}
+        if len(self._ended_from) >= self._publishers:
+            self.ended = True  # acknowledge, so the publishers may close their sockets
+            self._sock.setsockopt(zmq.UNSUBSCRIBE, self.presence)
 
     def wait_info(self, timeout: float = 5.0) -> SessionInfo | None:
         """The session's description, waiting up to `timeout` s for it (None: nobody serves the endpoint).

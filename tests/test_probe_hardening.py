@@ -305,3 +305,21 @@ def test_a_hundred_thousand_hostile_frames() -> None:
     assert grew < 50, f"RSS grew by {grew:.0f} MB"
     sub.close()
     pub.close(0)
+
+
+def test_one_subscriber_on_two_publishers_ends_after_both() -> None:
+    """Like the stages of a pipeline-parallel vLLM engine: one stream per stage, one Subscriber."""
+    a, b = build("llama"), build("qwen2")
+    sa, sb = probe.attach(a, "layers.0.resid_post"), probe.attach(b, "layers.1.resid_post")
+    sub = probe.Subscriber([sa.endpoint, sb.endpoint])
+    sa.wait_for(sub, timeout=10)
+    sb.wait_for(sub, timeout=10)
+    _forward(a, 2)
+    sa.close()
+    first = [sub.recv(timeout=5) for _ in range(2)]
+    assert all(c is not None for c in first) and sub.recv(timeout=0.5) is None and not sub.ended
+    _forward(b, 3)
+    sb.close()
+    rest = list(sub.iter(idle_timeout=5))
+    assert len(rest) == 3 and sub.ended and sub.stats.missed == 0
+    assert sub.end_counts == {"layers.0.resid_post": 2, "layers.1.resid_post": 3}
