@@ -7,6 +7,7 @@ next to the model folder.
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -20,6 +21,10 @@ ap.add_argument("--model", required=True, help="the target model's folder (for i
 ap.add_argument("--drafter", default="default", help="default (shipped next to the model) | FOLDER")
 a = ap.parse_args()
 torch.set_num_threads(1)
+if not (Path(a.model) / "config.json").is_file():
+    print(f"python -m decoder: {a.model} is not a model folder (no config.json); pass the target's folder",
+          file=sys.stderr)
+    sys.exit(2)
 try:
     target = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     drafter = load_drafter(a.drafter, target)

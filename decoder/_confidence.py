@@ -108,8 +108,9 @@ class ConfidenceHead(nn.Module):
 # --- training -------------------------------------------------------------------------------
 def _greedy_tokens(target: nn.Module, toks: torch.Tensor) -> torch.Tensor:
     """g[t] = the target's greedy choice for position t+1 given toks[:t+1]."""
+    dev = next(target.parameters()).device
     with torch.no_grad():
-        return target(toks[None]).logits[0].argmax(-1)
+        return target(toks[None].to(dev)).logits[0].argmax(-1)
 
 
 def _examples(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, feats: torch.Tensor,
@@ -118,6 +119,8 @@ def _examples(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, f
     from ._train import ttt_chain
 
     d2t = drafter.draft_to_target_ids()
+    dev = d2t.device
+    toks, feats, greedy = toks.to(dev), feats.to(dev), greedy.to(dev)
     xs, ys = [], []
     n = len(toks)
     for s in range(0, n - 2, window):
@@ -136,11 +139,11 @@ def _examples(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, f
                 # step j at position t (chain start t - j) predicts x_{t+2}; target's choice is g[t+1]
                 pred = d2t[logits[0].argmax(-1)]
                 hit = pred == g[1:length + 1]
-                pos = torch.arange(j, length)
+                pos = torch.arange(j, length, device=dev)
                 keep = alive[pos - j]
                 if keep.any():
-                    xs.append(ConfidenceHead.features(hn[0, pos[keep]], logits[0, pos[keep]], j))
-                    ys.append(hit[pos[keep]].float())
+                    xs.append(ConfidenceHead.features(hn[0, pos[keep]], logits[0, pos[keep]], j).cpu())
+                    ys.append(hit[pos[keep]].float().cpu())
                 # the chain survives step j if it hit and the token it hit is the one fed next
                 nxt = torch.zeros_like(alive)
                 ok_next = hit[pos] & ok_tok[pos + 1]

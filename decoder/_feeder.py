@@ -191,7 +191,7 @@ class EagleFeeder:
             if i + 1 == k:
                 break
             if prefix is not None:
-                cond = [plan.conditional(c) for c in conf.tolist()]
+                cond = [plan.conditional(c, r) for r, c in enumerate(conf.tolist())]
                 for r in range(b):
                     cum[r] *= cond[r]
                     prefix[r].append(prefix[r][-1] + cum[r])

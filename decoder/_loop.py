@@ -27,7 +27,7 @@ from ._cost import CostModel
 from ._eagle import Eagle3Drafter
 from ._feeder import Drafts, EagleFeeder, Feeder
 from ._ngram import NgramDrafter
-from ._sched import DraftPlan, Scheduler
+from ._sched import DraftPlan, RowFix, Scheduler
 from ._state import Run, SpecOutput, SpecStats
 from ._verify import target_probs, verify_greedy_rows, verify_rows
 
@@ -162,6 +162,7 @@ class SpeculativeDecoder:
         run.seeded = seed is not None
         run.sched = Scheduler(self.k, fixed=self.sched.fixed) if run.seeded else self.sched
         run.sched.reset()
+        run.fix = {"eagle": RowFix(run.b), "ngram": RowFix(run.b)}
         if self.feeder is not None or self.ngram is not None:
             ctx = None
             if self.session is not None:  # measuring forwards must not publish features
@@ -219,22 +220,24 @@ class SpeculativeDecoder:
             if not any(props):  # nothing to weigh: a plain step, without building a plan
                 return plain
         caps = [k if a else -1 for a in active] if sched.fixed else run.caps(k)
-        base = sched.ngram_prefix(props, match, overlap) if run.ngram is not None else [[0.0]] * b
+        e_scale, g_scale = run.fix["eagle"].scale(), run.fix["ngram"].scale()
+        base = sched.ngram_prefix(props, match, overlap, g_scale) if run.ngram is not None else [[0.0]] * b
         calib = sched.eagle_calib[run.mode]
         curve = self.cost.curve(b, k, frozen)
-        plain = sum(c >= 0 for c in caps) / curve[0]  # what the time would earn in plain steps
-        rate = plain if frozen else max(plain, run.rate())
-        plan = DraftPlan(k, curve, self.cost.step(b, frozen), rate, base, caps, calib.table(), sched.fixed)
+        plain = 1.0 / curve[0]  # the last row's tokens per second in plain steps
+        rate = plain if frozen else max(plain, run.rate() / max(sum(active), 1))
+        plan = DraftPlan(k, curve, self.cost.step(b, frozen), rate, base, caps, calib.table(), sched.fixed,
+                         run.ahead(), row_scale=e_scale)
         eagle, prefix = None, None
         if consult:
             seed = int(torch.randint(2**31 - 1, (1,), generator=run.gen)) if run.mode == "sample" else None
             eagle = self.feeder.draft(run.feeds, run.toks, k, run.temperature, seed, plan)
             run.feeds = []
             prefix = []
-            for conf in eagle.conf.tolist():
+            for r, conf in enumerate(eagle.conf.tolist()):
                 pref, cum = [0.0], 1.0
                 for c in conf:
-                    cum *= calib(c)
+                    cum *= plan.conditional(c, r)
                     pref.append(pref[-1] + cum)
                 prefix.append(pref)
             run.stats.bus_s += eagle.bus_s
@@ -357,27 +360,33 @@ class SpeculativeDecoder:
         if drafts.eagle is not None:
             calib = sched.eagle_calib[run.mode]
             conf = drafts.eagle.conf[r].tolist()
+            fix = run.fix["eagle"]
             if greedy:
                 toks = drafts.eagle.tokens[r].tolist()
                 for i in range(min(len(toks), len(truth))):
+                    fix.update(r, calib(conf[i]), toks[i] == truth[i])
                     calib.update(conf[i], toks[i] == truth[i])
                     if toks[i] != truth[i]:
                         break
             elif method == "eagle":
                 for i in range(min(n + 1, kr)):
+                    fix.update(r, calib(conf[i]), i < n)
                     calib.update(conf[i], i < n)
         if drafts.props is not None and drafts.props[r]:
             prop, m, o = drafts.props[r], drafts.match[r], drafts.overlap[r]
+            fix, nc = run.fix["ngram"], sched.ngram_calib
             if greedy:
                 for i in range(min(len(prop), len(truth))):
-                    sched.ngram_calib.update(m, o, i, prop[i] == truth[i])
+                    fix.update(r, nc(m, o, i), prop[i] == truth[i])
+                    nc.update(m, o, i, prop[i] == truth[i])
                     if prop[i] != truth[i]:
                         break
             elif method == "ngram":
                 for i in range(min(n + 1, kr)):
-                    sched.ngram_calib.update(m, o, i, i < n)
+                    fix.update(r, nc(m, o, i), i < n)
+                    nc.update(m, o, i, i < n)
 
-    SLEEP_AFTER = 4  # EAGLE-3 not consulted for this many rounds: remove the probes until shortly before
+    SLEEP_AFTER = 8  # EAGLE-3 not consulted for this many rounds: remove the probes until shortly before
 
     def _capture(self, on: bool) -> None:
         """Probes on the model or off it. Off costs nothing per forward (even a hook that publishes nothing

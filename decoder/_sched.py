@@ -21,6 +21,12 @@ to verify more. L = 1 is a plain step; with R at least the plain rate, a round d
 when the extra tokens it expects pay for its extra time at that rate, which is how
 scheduling never loses to plain decoding.
 
+A batch ends with its slowest row, and a round costs every row the same time: a token
+for a row that is ahead shortens nothing, and drafting that the slowest row cannot use
+only makes its rounds dearer. So at batch > 1 the tokens counted are those of the row
+that would finish last, min over rows of (1 + its expected gain) * (most remaining
+tokens / its remaining tokens), and R is that row's plain rate (batch 1: the row itself).
+
 `DraftPlan` is plain data, so a drafter in another process runs the same stopping rule.
 """
 
@@ -94,20 +100,23 @@ class DraftPlan:
     caps: list[int]  # per row: most useful drafts (remaining budget - 1); -1 = finished row
     calib: list[float] = field(default_factory=list)  # EAGLE-3: raw confidence bin -> acceptance
     fixed: bool = False  # draft exactly k, verify k+1: the classic fixed-k loop
+    ahead: list[float] = field(default_factory=list)  # per row: most remaining tokens / its remaining (>= 1)
+    margin: float = 0.1  # drafting must beat a plain step by this share of a step's tokens (estimates are noisy)
+    row_scale: list[float] = field(default_factory=list)  # per row: observed / predicted EAGLE-3 acceptance so far
 
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def conditional(self, raw: float) -> float:
-        if not self.calib:
-            return raw
-        return self.calib[min(max(int(raw * len(self.calib)), 0), len(self.calib) - 1)]
+    def conditional(self, raw: float, row: int = 0) -> float:
+        p = raw if not self.calib else self.calib[min(max(int(raw * len(self.calib)), 0), len(self.calib) - 1)]
+        return min(1.0, p * self.row_scale[row]) if self.row_scale else p
 
     def best(self, eagle: list[list[float]] | None) -> tuple[float, int]:
         """(value, verify length) of the best L given EAGLE-3's prefix sums per row (or None)."""
         top_value, top_len = float("-inf"), 1
+        ahead = self.ahead
         for length in range(1, len(self.cost) + 1):
-            tokens = 0.0
+            tokens = float("inf")  # progress of the row that finishes last, in its own tokens
             for r, cap in enumerate(self.caps):
                 if cap < 0:
                     continue
@@ -117,9 +126,14 @@ class DraftPlan:
                 if eagle is not None:
                     e = eagle[r]
                     gain = max(gain, e[min(m, len(e) - 1)])
-                tokens += 1.0 + gain
+                tokens = min(tokens, (1.0 + gain) * (ahead[r] if ahead else 1.0))
+            if tokens == float("inf"):
+                return 0.0, 1
             value = tokens - self.rate * self.cost[length - 1]
-            if value > top_value + 1e-12:
+            if length == 1:
+                plain = value + self.margin * tokens  # what drafting has to beat
+                top_value = value
+            elif value > max(top_value, plain) + 1e-12:
                 top_value, top_len = value, length
         return top_value, top_len
 
@@ -129,6 +143,23 @@ class DraftPlan:
         longer = [e + [e[-1] + (e[-1] - e[-2]) * c] if len(e) > 1 else e for e, c in zip(eagle, cond, strict=True)]
         nxt, _ = self.best(longer)
         return nxt - now > self.rate * self.step_cost
+
+
+class RowFix:
+    """Per row of one call: observed / predicted acceptance, shrunk towards 1. A calibration learned over many
+    rows over-promises for a row that keeps rejecting (and in a batch those rows are the ones everyone waits for)."""
+
+    def __init__(self, batch: int, prior: float = 4.0) -> None:
+        self.prior = prior
+        self.obs = [0.0] * batch
+        self.pred = [0.0] * batch
+
+    def update(self, row: int, predicted: float, accepted: bool) -> None:
+        self.obs[row] += accepted
+        self.pred[row] += predicted
+
+    def scale(self) -> list[float]:
+        return [(o + self.prior) / (p + self.prior) for o, p in zip(self.obs, self.pred, strict=True)]
 
 
 @dataclass
@@ -168,12 +199,13 @@ class Scheduler:
         self.backoff = 1 if self.net > 0 else min(2 * self.backoff, self.MAX_BACKOFF)
         self.wait = self.backoff - 1
 
-    def ngram_prefix(self, props: list[list[int]], match: list[int], overlap: list[float]) -> list[list[float]]:
+    def ngram_prefix(self, props: list[list[int]], match: list[int], overlap: list[float],
+                     scale: list[float]) -> list[list[float]]:
         out = []
-        for prop, m, o in zip(props, match, overlap, strict=True):
+        for prop, m, o, f in zip(props, match, overlap, scale, strict=True):
             pref, cum = [0.0], 1.0
             for i in range(len(prop)):
-                cum *= self.ngram_calib(m, o, i)
+                cum *= min(1.0, self.ngram_calib(m, o, i) * f)
                 pref.append(pref[-1] + cum)
             out.append(pref)
         return out

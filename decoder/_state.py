@@ -105,6 +105,7 @@ class Run:
         self.ngram: list | None = None
         self._tokens_ema = self._seconds_ema = 0.0
         self.no_drafts = torch.zeros(b, 0, dtype=torch.long)
+        self.row_rounds = [1] * b  # rounds each row took part in (the prefill counts one)
 
     def observe_rate(self, tokens: int, seconds: float, alpha: float = 0.1) -> None:
         """The loop's recent throughput (tokens/s over all rows), as a ratio of moving averages."""
@@ -124,6 +125,12 @@ class Run:
         """Most drafts worth offering per row: the remaining budget minus the bonus token (-1: finished)."""
         return [min(k, self.max_new - e - 1) if a else -1
                 for a, e in zip(self.active(), self.emitted, strict=True)]
+
+    def ahead(self) -> list[float]:
+        """Per row: the most remaining tokens of any row / this row's remaining (1.0 for the last row)."""
+        rem = [self.max_new - e if a else 0 for a, e in zip(self.active(), self.emitted, strict=True)]
+        top = max(rem, default=0)
+        return [top / x if x else 0.0 for x in rem]
 
     def prefill_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions from the mask, so left padding never shifts a row."""
@@ -181,6 +188,7 @@ class Run:
                 self.toks[r, start + keep: start + acc + 1] = torch.tensor(new[keep:])
             kept[r] = new[:keep]
             self.emitted[r] += keep
+            self.row_rounds[r] += 1
             n_eff.append(acc)
         # slots past each row's accepted ones are masked out; the cache keeps the widest row
         cols = self.cols

@@ -106,7 +106,7 @@ def ttt_chain(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, f
     layer = drafter.midlayer
     with torch.no_grad():
         emb = embed(toks[:, 1: length + 1])
-    pos = torch.arange(length).expand(b, length)
+    pos = torch.arange(length, device=feats.device).expand(b, length)
     hidden = drafter.fuse(feats)
     emb = emb.to(hidden.dtype)
     ks, vs = [], []
@@ -114,7 +114,7 @@ def ttt_chain(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, f
         q, k, v, res = layer.project(emb, hidden, pos)
         ks.append(k)
         vs.append(v)
-        h = layer.attend(q, torch.cat(ks, 2), torch.cat(vs, 2), ttt_mask(length, j)[None], res)
+        h = layer.attend(q, torch.cat(ks, 2), torch.cat(vs, 2), ttt_mask(length, j).to(feats.device)[None], res)
         hn = drafter.norm(h)
         yield j, h, hn, drafter.lm_head(hn)
         hidden = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # feature at t = own output at t-1
@@ -140,21 +140,23 @@ def heldout_acceptance(drafter: Eagle3Drafter, embed: nn.Embedding, seqs: list[t
     """Acceptance by draft position on held-out sequences: the share of chains whose first i+1 drafts all
     equal the recorded tokens (the target's greedy continuation where the recording is its own output)."""
     d2t = drafter.draft_to_target_ids()
-    hits = torch.zeros(k)
+    hits = torch.zeros(k, device=d2t.device)
     chains = 0
+    dev = d2t.device
     for toks, feats in seqs:
+        toks, feats = toks.to(dev), feats.to(dev)
         n = len(toks)
         for s in range(0, n - 2, window):
             length = min(window, n - 2 - s)
             if length < 2:
                 break
             t_win = toks[s: s + length + 2][None]
-            alive = torch.ones(length, dtype=torch.bool)
+            alive = torch.ones(length, dtype=torch.bool, device=dev)
             chains += length
             for j, _, _, logits in ttt_chain(drafter, embed, t_win, feats[s: s + length][None], k):
                 if j >= length:
                     break
-                pos = torch.arange(j, length)
+                pos = torch.arange(j, length, device=dev)
                 hit = d2t[logits[0, pos].argmax(-1)] == t_win[0, pos + 2]
                 nxt = torch.zeros_like(alive)
                 nxt[pos - j] = alive[pos - j] & hit
@@ -191,6 +193,9 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
     drafter.t2d[ids] = True
     to_draft = torch.full((dcfg.vocab_size,), -100, dtype=torch.long)
     to_draft[ids] = torch.arange(len(ids))
+    dev = next(target.parameters()).device  # train where the target lives (its embedding is an input)
+    drafter.to(dev)
+    to_draft = to_draft.to(dev)
     embed = target.get_input_embeddings()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0)
     state_file = out / "train_state.pt"
@@ -214,6 +219,7 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
         for g in opt.param_groups:
             g["lr"] = lr
         toks, feats = _batch(pool, cfg.batch, window, gen)
+        toks, feats = toks.to(dev), feats.to(dev)
         loss, accs = ttt_loss(drafter, embed, toks, feats, to_draft[toks[:, 2: window + 2]], cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()

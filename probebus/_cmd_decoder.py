@@ -140,9 +140,9 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int, *, fixed: bool = 
     from decoder import CostModel, NgramDrafter, SpeculativeDecoder, load_drafter
 
     schedule = "fixed" if fixed else "auto"
-    cost = CostModel.for_target(model, refresh=refresh_cost)
     if drafter == "none":
         return SpeculativeDecoder(model, None, k=k)
+    cost = CostModel.for_target(model, refresh=refresh_cost)
     if endpoint is not None and drafter == "ngram":
         raise UsageError("--endpoint: the n-gram drafter runs without a probe session; use --drafter default or "
                          "auto to get one")
