@@ -22,6 +22,7 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
     "train_drafter.py": (["--prompts", "4", "--steps", "3", "--new-tokens", "16", "--out", "{tmp}/drafter"],
                          ["recorded", "'step': 3", "tau with the new drafter"]),
     "watch_live.py": (["--max-new-tokens", "8"], ["also try: probebus top", "done: 72 captures"]),
+    "vllm_capture.py": (["--max-tokens", "4"], ["seq_id 0, prefill rows", "decode rows 3", "published="]),
     "plots.py": (["--max-new-tokens", "8", "--out", "{tmp}/plots"],
                  ["norms_by_position.png", "norms_by_layer.png", "acceptance_by_position.png"]),
 }
@@ -37,6 +38,8 @@ def test_every_example_is_run_and_short() -> None:
 def test_example_runs(name: str, tmp_path: Path) -> None:
     if name == "plots.py":
         pytest.importorskip("matplotlib")
+    if name == "vllm_capture.py":  # runs in vLLM's own environment (.ci/run)
+        pytest.importorskip("vllm")
     if name == "record_and_query.py":
         pytest.importorskip("duckdb")
         pytest.importorskip("polars")
