@@ -161,7 +161,7 @@ class SpeculativeDecoder:
         # (priors and the cost curve as loaded); unseeded calls adapt to measured time and keep what they learn.
         run.seeded = seed is not None
         run.sched = Scheduler(self.k, fixed=self.sched.fixed) if run.seeded else self.sched
-        run.sched.reset()
+        run.sched.new_call()
         run.fix = {"eagle": RowFix(run.b), "ngram": RowFix(run.b)}
         if self.feeder is not None or self.ngram is not None:
             ctx = None
@@ -179,8 +179,8 @@ class SpeculativeDecoder:
 
     def _prefill(self, run: Run) -> None:
         tv = time.perf_counter()
-        if self.session is not None:
-            self._capture(True)  # the drafter needs the prompt's features
+        if self.session is not None:  # the drafter wants the prompt's features, unless EAGLE-3 rests anyway
+            self._capture(run.sched.fixed or run.sched.wait < self.SLEEP_AFTER)
         mask, pos = run.prefill_inputs()
         with self._context("prefill"):
             logits = self.target(run.input_ids.to(run.device), attention_mask=mask, position_ids=pos,
@@ -190,7 +190,7 @@ class SpeculativeDecoder:
         run.stats.verify_s += time.perf_counter() - tv
         run.stats.target_forwards += 1
         run.stats.emitted = run.b
-        if self.feeder is not None:
+        if self.feeder is not None and self._capturing:
             lens = torch.tensor(run.lens)
             run.feeds.append((self.session.step, torch.zeros_like(lens), lens - 1))
         if run.ngram is not None:

@@ -183,8 +183,13 @@ class Scheduler:
         self.reset()
 
     def reset(self) -> None:
-        """A new generate call: consult EAGLE-3 at once, whatever the last prompt taught."""
+        """Forget everything: consult EAGLE-3 at once."""
         self.backoff, self.wait, self.net = 1, 0, 1.0
+
+    def new_call(self) -> None:
+        """A new generate call keeps what earlier calls learned about whether consulting pays, but waits at most
+        one backoff period before asking again."""
+        self.wait = 0 if self.net > 0 else min(self.wait, self.backoff - 1)
 
     def consult_eagle(self) -> bool:
         if self.fixed or self.wait <= 0:
