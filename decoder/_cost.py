@@ -1,7 +1,7 @@
 """What a round costs on this machine: the target's forward over L tokens at batch B, a drafter step.
 
-    cost = CostModel.for_target(target, k_max=5)          # cached per model and machine, measured if new
-    cost.ensure(batch=8, drafter=d)                       # measures batch 8 now if not cached
+    cost = CostModel.for_target(target)                   # cached per model and machine
+    cost.ensure(8, k_max=5, drafter=d)                    # measures batch 8 now if not cached
     cost.verify(8, 3), cost.step(8), cost.overhead(8)     # seconds
     cost.observe_verify(8, 3, 0.0041)                     # refine online from real rounds
 
@@ -59,7 +59,8 @@ class CostModel:
         self.data: dict[str, dict] = data or {}  # str(batch) -> {"verify": [s for L=1..], "step": s}
         self.initial = json.loads(json.dumps(self.data))  # as loaded or measured: what seeded calls use
         self._overhead: dict[int, float] = {}
-        self._scale: dict[int, float] = {}  # observed / measured forward time, per batch
+        # observed / measured forward time, per (batch, probes capturing): hooks that publish cost extra
+        self._scale: dict[tuple[int, bool], float] = {}
         self.adapt = adapt
 
     @classmethod
@@ -81,16 +82,28 @@ class CostModel:
         d = self.data.get(str(batch))
         return d is not None and len(d["verify"]) >= k_max + 1
 
-    def verify(self, batch: int, length: int, frozen: bool = False) -> float:
-        scale = 1.0 if frozen else self._scale.get(batch, 1.0)
-        return (self.initial if frozen else self.data)[str(batch)]["verify"][length - 1] * scale
+    def _scale_of(self, batch: int, capturing: bool) -> float:
+        own = self._scale.get((batch, capturing))
+        return own if own is not None else self._scale.get((batch, not capturing), 1.0)
 
-    def curve(self, batch: int, k_max: int, frozen: bool = False) -> list[float]:
+    def _base(self, batch: int, frozen: bool, capturing: bool) -> list[float]:
+        d = (self.initial if frozen else self.data)[str(batch)]
+        return d.get("verify_capturing", d["verify"]) if capturing else d["verify"]
+
+    def capture_tax(self, batch: int, length: int) -> float:
+        """Seconds a forward of `length` tokens costs more while probes publish the drafter's features."""
+        return max(self.verify(batch, length, capturing=True) - self.verify(batch, length), 0.0)
+
+    def verify(self, batch: int, length: int, frozen: bool = False, capturing: bool = False) -> float:
+        scale = 1.0 if frozen else self._scale_of(batch, capturing)
+        return self._base(batch, frozen, capturing)[length - 1] * scale
+
+    def curve(self, batch: int, k_max: int, frozen: bool = False, capturing: bool = False) -> list[float]:
         """verify + per-round overhead, for L = 1..k_max+1; `frozen`: the values as loaded, no online refinement
         (seeded calls schedule from these, so a seed reproduces the output)."""
         o = self.overhead(batch, frozen)
-        scale = 1.0 if frozen else self._scale.get(batch, 1.0)
-        out = [v * scale + o for v in (self.initial if frozen else self.data)[str(batch)]["verify"][: k_max + 1]]
+        scale = 1.0 if frozen else self._scale_of(batch, capturing)
+        out = [v * scale + o for v in self._base(batch, frozen, capturing)[: k_max + 1]]
         for i in range(1, len(out)):
             out[i] = max(out[i], out[i - 1])
         return out
@@ -103,19 +116,26 @@ class CostModel:
         return 1.5e-4 if frozen else self._overhead.get(batch, 1.5e-4)
 
     # --- measuring -----------------------------------------------------------------------
-    def ensure(self, batch: int, k_max: int, drafter: nn.Module | None = None, context=None) -> None:  # noqa: ANN001
-        """Measure batch `batch` if it is not known yet: 3 forwards per length, ~60 ms at batch 1 for the default
-        model on a 2-core CPU, once per model and machine."""
-        if self.has(batch, k_max):
+    def ensure(self, batch: int, k_max: int, drafter: nn.Module | None = None, context=None,  # noqa: ANN001
+               capturing=None) -> None:  # noqa: ANN001
+        """Measure batch `batch` if it is not known yet: 6 forwards per length (twice with `capturing`, a context
+        in which probes publish), ~100 ms per curve at batch 1 for the default model on a 2-core CPU, once per
+        model and machine."""
+        if self.has(batch, k_max) and (capturing is None or "verify_capturing" in self.data[str(batch)]):
             return
-        self.data[str(batch)] = self.measure(self._target, batch, k_max, drafter, context)
+        if not self.has(batch, k_max):
+            self.data[str(batch)] = self.measure(self._target, batch, k_max, drafter, context)
+        if capturing is not None:
+            on = self.measure(self._target, batch, k_max, None, capturing)["verify"]
+            plain = self.data[str(batch)]["verify"]
+            self.data[str(batch)]["verify_capturing"] = [max(a, b) for a, b in zip(on, plain, strict=False)]
         self.initial[str(batch)] = json.loads(json.dumps(self.data[str(batch)]))
         self._save()
 
     @staticmethod
     @torch.no_grad()
     def measure(target: nn.Module, batch: int, k_max: int, drafter: nn.Module | None = None, context=None,  # noqa: ANN001
-                ctx_len: int = 32, reps: int = 3) -> dict:
+                ctx_len: int = 32, reps: int = 6) -> dict:
         """Seconds of a forward over L = 1..k_max+1 new tokens after ctx_len cached ones, and of a drafter step.
 
         The fastest of `reps` interleaved runs (the first run of a shape pays one-time costs; on a
@@ -127,19 +147,17 @@ class CostModel:
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(3, vocab, (batch, ctx_len + k_max + 1), generator=gen).to(p.device)
         cache = DynamicCache()
-        wrap = context or (lambda: torch.no_grad())
-        with wrap():
-            target(ids[:, :ctx_len], cache=cache, use_cache=True)
         times: list[list[float]] = [[] for _ in range(k_max + 1)]
-        for _ in range(reps):
-            for length in range(1, k_max + 2):  # interleaved: drift hits every length alike
-                with wrap():
+        with context() if context is not None else torch.no_grad():
+            target(ids[:, :ctx_len], cache=cache, use_cache=True)
+            for _ in range(reps):
+                for length in range(1, k_max + 2):  # interleaved: drift hits every length alike
                     t0 = time.perf_counter()
                     target(ids[:, ctx_len: ctx_len + length], cache=cache, use_cache=True)
                     if p.device.type == "cuda":
                         torch.cuda.synchronize(p.device)
                     times[length - 1].append(time.perf_counter() - t0)
-                cache.crop(-length)
+                    cache.crop(-length)
         verify = [min(t) for t in times]
         for i in range(1, len(verify)):  # never cheaper than a shorter forward, never dearer than i+1 single ones
             verify[i] = min(max(verify[i], verify[i - 1]), verify[0] * (i + 1))
@@ -177,18 +195,21 @@ class CostModel:
             pass  # a read-only home only costs a measurement next time
 
     # --- online refinement -----------------------------------------------------------------
-    def observe_verify(self, batch: int, length: int, seconds: float, alpha: float = 0.05,
+    def observe_verify(self, batch: int, length: int, seconds: float, capturing: bool = False, alpha: float = 0.05,
                        shape_alpha: float = 0.02) -> None:
-        """Follow the machine: an exponential moving average of observed/measured scales the whole curve; each
-        length used also corrects its own point slowly (a noisy measurement at load is not kept forever)."""
+        """Follow the machine: an exponential moving average of observed/measured scales the whole curve (one per
+        probe state); each length used also corrects its own point slowly (a noisy measurement at load is not
+        kept forever)."""
         if not self.adapt:
             return
         v = self.data[str(batch)]["verify"]
         if length <= len(v):
-            old = self._scale.get(batch, 1.0)
+            key = (batch, capturing)
+            old = self._scale_of(batch, capturing)
             ratio = min(max(seconds / v[length - 1], 0.5 * old), 2 * old)
-            self._scale[batch] = old + alpha * (ratio - old)
-            v[length - 1] *= 1 + shape_alpha * (ratio / self._scale[batch] - 1)
+            self._scale[key] = old + alpha * (ratio - old)
+            if not capturing:
+                v[length - 1] *= 1 + shape_alpha * (ratio / self._scale[key] - 1)
 
     def observe_step(self, batch: int, seconds: float, alpha: float = 0.05) -> None:
         if not self.adapt:

@@ -164,11 +164,10 @@ class SpeculativeDecoder:
         run.sched.new_call()
         run.fix = {"eagle": RowFix(run.b), "ngram": RowFix(run.b)}
         if self.feeder is not None or self.ngram is not None:
-            ctx = None
-            if self.session is not None:  # measuring forwards must not publish features
-                def ctx():  # noqa: ANN202
-                    return self.session.context(valid=torch.zeros(1, 1, dtype=torch.bool))
-            self.cost.ensure(run.b, self.k, self.eagle if isinstance(self.eagle, Eagle3Drafter) else None, ctx)
+            off = on = None
+            if self.session is not None:  # both probe states: capturing forwards cost more (the drafter skips
+                off, on = self._probes(False), self._probes(True)  # their captures: nobody told it to read them)
+            self.cost.ensure(run.b, self.k, self.eagle if isinstance(self.eagle, Eagle3Drafter) else None, off, on)
         if self.feeder is not None:
             self.feeder.prepare(run.b, run.cap)
         if self.ngram is not None:
@@ -223,7 +222,7 @@ class SpeculativeDecoder:
         e_scale, g_scale = run.fix["eagle"].scale(), run.fix["ngram"].scale()
         base = sched.ngram_prefix(props, match, overlap, g_scale) if run.ngram is not None else [[0.0]] * b
         calib = sched.eagle_calib[run.mode]
-        curve = self.cost.curve(b, k, frozen)
+        curve = self.cost.curve(b, k, frozen, capturing=self._capturing and not frozen)
         plain = 1.0 / curve[0]  # the last row's tokens per second in plain steps
         rate = plain if frozen else max(plain, run.rate() / max(sum(active), 1))
         plan = DraftPlan(k, curve, self.cost.step(b, frozen), rate, base, caps, calib.table(), sched.fixed,
@@ -243,8 +242,9 @@ class SpeculativeDecoder:
             run.stats.bus_s += eagle.bus_s
         n_eagle = eagle.tokens.shape[1] if eagle is not None else 0
         choice = sched.choose(plan, prefix, props, n_eagle)
-        if eagle is not None and not sched.fixed:  # did asking EAGLE-3 pay for its own time?
-            spent = plan.step_cost * n_eagle if frozen else eagle.bus_s + eagle.compute_s
+        if eagle is not None and not sched.fixed:  # did asking EAGLE-3 pay for its own time (probes included)?
+            spent = plan.step_cost * n_eagle if frozen else \
+                eagle.bus_s + eagle.compute_s + self.cost.capture_tax(b, choice.length)
             sched.consulted(plan.best(prefix)[0] - plan.best(None)[0] - plan.rate * spent)
         return self._assemble(run, choice, eagle, props, match, overlap)
 
@@ -343,7 +343,7 @@ class SpeculativeDecoder:
                            drafts.eagle.tokens.shape[1] if drafts.eagle is not None else 0))
         run.observe_rate(sum(len(t) for t in kept), now - tr)
         if self._cost is not None and run.b > 0:
-            self.cost.observe_verify(run.b, length, now - tv)
+            self.cost.observe_verify(run.b, length, now - tv, capturing=self._capturing)
             if drafts.eagle is not None and drafts.eagle.tokens.shape[1] > 1:
                 steps = drafts.eagle.tokens.shape[1]
                 self.cost.observe_step(run.b, drafts.eagle.compute_s / steps)
@@ -398,6 +398,19 @@ class SpeculativeDecoder:
         if hasattr(self.session, "remove"):
             (self.session.add if on else self.session.remove)(sites)
         self._capturing = on
+
+    def _probes(self, on: bool):  # noqa: ANN202
+        """A context factory: the probes in state `on` (publishing when on) for a cost measurement."""
+        @contextlib.contextmanager
+        def ctx():  # noqa: ANN202
+            before = self._capturing
+            self._capture(on)
+            try:
+                with torch.no_grad(), self.session.context(valid=self._valid_on if on else self._valid_off):
+                    yield
+            finally:
+                self._capture(before)
+        return ctx
 
     def _context(self, phase: str, positions: torch.Tensor | None = None):  # noqa: ANN202
         if self.session is None:

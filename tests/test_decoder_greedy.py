@@ -88,8 +88,8 @@ def test_sampling_runs_and_is_reproducible_with_a_seed() -> None:
 def _flat_cost(batch: int, k: int, ratio: float) -> CostModel:
     """A cost curve where verifying L tokens costs 1 + ratio * (L - 1) units: the scheduler's decisions become
     deterministic (the machine's real timings are noise on a shared CPU)."""
-    return CostModel("test", {str(batch): {"verify": [1e-3 * (1 + ratio * i) for i in range(k + 1)],
-                                           "step": 1e-5}}, adapt=False)
+    curve = [1e-3 * (1 + ratio * i) for i in range(k + 1)]
+    return CostModel("test", {str(batch): {"verify": curve, "verify_capturing": curve, "step": 1e-5}}, adapt=False)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

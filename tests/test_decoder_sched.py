@@ -92,7 +92,7 @@ def test_oracle_bound_on_a_looping_model() -> None:
     ids, mask = left_padded([[5, 17, 33, 9, 40, 41], [40, 41, 42, 43, 44, 45, 46, 47, 48]])
     torch.manual_seed(3)
     eagle = Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model)
-    flat = CostModel("test", {"2": {"verify": [1e-3] * 5, "step": 1e-5}}, adapt=False)
+    flat = CostModel("test", {"2": {"verify": [1e-3] * 5, "verify_capturing": [1e-3] * 5, "step": 1e-5}}, adapt=False)
     with SpeculativeDecoder(model, "auto", eagle=eagle, k=4, cost=flat) as spec:
         res = oracle_bound(spec, ids, mask, max_new_tokens=24)
         out = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
