@@ -76,3 +76,12 @@ def test_plot_and_endpoint(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     for name in ("acceptance_by_position.png", "acceptance_by_round.png"):
         png = tmp_path / "plots" / name
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_option_has_help_text() -> None:
+    from probebus.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name in ("generate", "train-drafter", "serve-drafter"):
+        bare = [a.option_strings for a in sub.choices[name]._actions if a.option_strings and not a.help]
+        assert not bare, (name, bare)
