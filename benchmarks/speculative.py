@@ -187,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model)
     drafter = load_drafter(args.drafter, model)
     sets = load_sets(args.sets)
-    cost = CostModel.for_target(model, refresh=args.refresh_cost)
+    cost = CostModel.for_target(model, refresh=not args.cached_cost)  # this machine, now (the cache may be stale)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor() or "?")
     print(f"machine: {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
@@ -235,7 +235,8 @@ if __name__ == "__main__":
     ap.add_argument("--drafter", default="default")
     ap.add_argument("--remote", action="store_true", help="add EAGLE-3 with the drafter in another process")
     ap.add_argument("--no-oracle", action="store_true", help="skip the oracle bound (it costs 3 forwards a round)")
-    ap.add_argument("--refresh-cost", action="store_true", help="measure the cost curve again")
+    ap.add_argument("--cached-cost", action="store_true", help="reuse the cached cost curve instead of measuring it "
+                    "again at the start (a curve measured on a busy machine misleads the scheduler)")
     a = ap.parse_args()
     if a.quick:
         a.prompts, a.new_tokens, a.repeats, a.batches = 4, 24, 1, [1, 4]
