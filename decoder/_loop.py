@@ -79,6 +79,7 @@ class SpeculativeDecoder:
         self.sched = Scheduler(k, fixed=schedule == "fixed")
         self._cost = cost
         self._capturing = True
+        self._toggle_s = 2e-3  # seconds to add or remove the probes, measured as it happens
         self._valid_on = torch.ones(1, 1, dtype=torch.bool)
         self._valid_off = torch.zeros(1, 1, dtype=torch.bool)
         self.session = None
@@ -179,7 +180,7 @@ class SpeculativeDecoder:
     def _prefill(self, run: Run) -> None:
         tv = time.perf_counter()
         if self.session is not None:  # the drafter wants the prompt's features, unless EAGLE-3 rests anyway
-            self._capture(run.sched.fixed or run.sched.wait < self.SLEEP_AFTER)
+            self._capture(run.sched.fixed or run.sched.wait < self._sleep_after(run.b))
         mask, pos = run.prefill_inputs()
         with self._context("prefill"):
             logits = self.target(run.input_ids.to(run.device), attention_mask=mask, position_ids=pos,
@@ -273,7 +274,7 @@ class SpeculativeDecoder:
     def _forward(self, run: Run, drafts: RoundDrafts) -> torch.Tensor:
         inp, positions, mask = run.inputs(drafts.tokens)
         if self.session is not None:  # EAGLE-3 resting for a while: take the probes off the model meanwhile
-            self._capture(run.sched.fixed or run.sched.wait < self.SLEEP_AFTER)
+            self._capture(run.sched.fixed or run.sched.wait < self._sleep_after(run.b))
         with self._context("verify", positions):
             return self.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
                                use_cache=True).logits
@@ -386,7 +387,13 @@ class SpeculativeDecoder:
                     fix.update(r, nc(m, o, i), i < n)
                     nc.update(m, o, i, i < n)
 
-    SLEEP_AFTER = 8  # EAGLE-3 not consulted for this many rounds: remove the probes until shortly before
+    def _sleep_after(self, batch: int) -> int:
+        """Rounds of rest from which taking the probes off pays: removing and adding them back costs
+        `_toggle_s` (measured), keeping them costs the capture tax every round."""
+        tax = self.cost.capture_tax(batch, 1) if self._cost is not None and self._cost.has(batch, self.k) else 0.0
+        if tax <= 0:
+            return 8
+        return max(1, min(8, int(2 * self._toggle_s / tax) + 1))
 
     def _capture(self, on: bool) -> None:
         """Probes on the model or off it. Off costs nothing per forward (even a hook that publishes nothing
@@ -396,7 +403,9 @@ class SpeculativeDecoder:
             return
         sites = [f"layers.{i}.resid_pre" for i in self.eagle.config.aux_layer_ids]
         if hasattr(self.session, "remove"):
+            t0 = time.perf_counter()
             (self.session.add if on else self.session.remove)(sites)
+            self._toggle_s += 0.2 * (time.perf_counter() - t0 - self._toggle_s)
         self._capturing = on
 
     def _probes(self, on: bool):  # noqa: ANN202

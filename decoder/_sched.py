@@ -184,7 +184,7 @@ class Scheduler:
 
     def reset(self) -> None:
         """Forget everything: consult EAGLE-3 at once."""
-        self.backoff, self.wait, self.net = 1, 0, 1.0
+        self.backoff, self.wait, self.net = 1, 0, 0.0  # unknown: the first consult decides
 
     def new_call(self) -> None:
         """A new generate call keeps what earlier calls learned about whether consulting pays, but waits at most
