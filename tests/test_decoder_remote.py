@@ -18,15 +18,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()
-def server():  # noqa: ANN201
+def server(tmp_path: Path):  # noqa: ANN201
     import zmq
 
     port = zmq.Context.instance().socket(zmq.REP)
     free = port.bind_to_random_port("tcp://127.0.0.1")
     port.close(0)
     address = f"tcp://127.0.0.1:{free}"
-    proc = subprocess.Popen([sys.executable, "-m", "probebus", "serve-drafter", "--bind", address], cwd=ROOT)
-    remote = RemoteEagle(address, timeout=120)
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "probebus", "serve-drafter", "--bind", address], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+    remote = None
+    for _ in range(12):  # up to 2 minutes on a loaded machine, but fail at once if the server died
+        if proc.poll() is not None:
+            break
+        try:
+            remote = RemoteEagle(address, timeout=10)
+            break
+        except TimeoutError:
+            continue
+    if remote is None:
+        proc.kill()
+        proc.wait(30)
+        raise AssertionError(f"serve-drafter did not answer (exit {proc.returncode}): {log.read_text()[-2000:]}")
     yield remote
     remote.shutdown()
     proc.wait(30)
