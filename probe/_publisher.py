@@ -43,7 +43,7 @@ from ._wire import END_TOPIC, INFO_TOPIC, PRESENCE, encode_control
 
 # Plain ints: zmq's flags are IntFlag enums, and `|` on them costs ~0.5 us on the hot path.
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-_SERVICE_EVERY_S = 0.005  # the model's thread looks for new subscriptions at most this often
+_SERVICE_EVERY_S = 0.025  # the model's thread looks for new subscriptions at most this often
 ZERO_COPY_MIN = 1 << 16  # below this a memcpy into ZeroMQ's message beats a tracker (measured 64 KiB ~ 10 us)
 _IDLE_S = 0.05  # the control thread's tick, and how recent a step must be for it to stay away
 

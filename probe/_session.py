@@ -95,6 +95,7 @@ class ProbeSession:
         self.policy = policy
         self.run = run or uuid.uuid4().hex[:12]
         self._started = time.time()
+        self._config_hash = _discovery.config_hash(getattr(model, "config", None))  # once: it costs ~1 ms
         self._ipc_dir: str | None = None
         if endpoint is None:
             if os.name == "nt":
@@ -159,7 +160,7 @@ class ProbeSession:
         return _discovery.SessionInfo(
             run=self.run, endpoint=self.endpoint, pid=os.getpid(), model=str(getattr(cfg, "name_or_path", "") or
                                                                               type(self.model).__name__),
-            config_hash=_discovery.config_hash(cfg), dtype=str(param.dtype).removeprefix("torch.") if param is not None
+            config_hash=self._config_hash, dtype=str(param.dtype).removeprefix("torch.") if param is not None
             else "", sites=self.sites, policy=self.policy, probebus_version=_version(), wire_version=VERSION,
             started=self._started, host=socket.gethostname())
 
