@@ -11,10 +11,11 @@
     probe.live_sessions()                           # this user's running sessions
 
 Internals, in the order a capture meets them: `_arch` / `_sites` (where each site is
-hooked), `_session` (attach and the hooks), `_identity` (whose token each row is),
-`_copy` (rows into a message, staging ring for large ones), `_publisher` (the socket:
-policies, subscribers, end of stream), `_wire` (the frames), `_subscriber`. The
-README's design notes explain why each is the way it is.
+hooked), `_session` (attach and the public API), `_hooks` (the hooks: the hot path),
+`_identity` (whose token each row is), `_copy` (rows into a message, staging ring for
+large ones), `_publisher` (the socket: policies, subscribers, end of stream), `_wire`
+(the frames), `_subscriber`; `vllm` / `_vllm_worker` for vLLM engines. The README's
+design notes explain why each is the way it is.
 """
 
 from __future__ import annotations

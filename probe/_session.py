@@ -20,14 +20,12 @@ import os
 import shutil
 import socket
 import tempfile
-import threading
 import time
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
@@ -35,10 +33,10 @@ from torch import nn
 
 from . import _discovery
 from ._arch import SiteError, resolve_arch
-from ._copy import CopyPath, SiteKey
-from ._identity import IdentityTracker, StepIdentity, cache_length
+from ._copy import CopyPath
+from ._hooks import Hooks
 from ._publisher import ZERO_COPY_MIN, Publisher
-from ._sites import expand_sites, site_layer
+from ._sites import expand_sites
 from ._subscriber import Subscriber
 from ._wire import PHASE_CODE, VERSION
 
@@ -114,17 +112,9 @@ class ProbeSession:
                                    curve_secret_key=curve_secret_key, stall_timeout=stall_timeout)
         self._copy = CopyPath(self.publisher, run=self.run.encode(), capacity=capacity_bytes, cuda_device=cuda)
         self.ring = self._copy.ring
-        self._ids = IdentityTracker(self._stop_tokens(model) if strip_finished else np.empty(0, dtype=np.int64))
-        self._handles: dict[str, object] = {}
-        self._active: set[str] = set()
-        self._top: list = []
-        self._pending: list[tuple[str, list[str]]] = []
-        self._lock = threading.RLock()
-        self._model_thread: int | None = None
-        self._ident: StepIdentity | None = None
-        self._override: dict | None = None
+        stop = _stop_tokens(model) if strip_finished else np.empty(0, dtype=np.int64)
+        self._hooks = Hooks(model, self.arch, self._copy, self.publisher, stop)
         self._closed = False
-        self._warned: set[str] = set()
         self._announced = False
         self._registered = None
         try:
@@ -146,11 +136,11 @@ class ProbeSession:
     @property
     def step(self) -> int:
         """Number of forward steps of the attached model seen so far (the last capture's `step`)."""
-        return self._ids.step
+        return self._hooks.ids.step
 
     @property
     def sites(self) -> list[str]:
-        return [s for s in self.arch.sites() if s in self._active]
+        return [s for s in self.arch.sites() if s in self._hooks.active]
 
     @property
     def info(self) -> _discovery.SessionInfo:
@@ -172,13 +162,13 @@ class ProbeSession:
 
     def add(self, sites: str | Iterable[str]) -> list[str]:
         """Start capturing more sites; returns the concrete names added."""
-        names = [s for s in expand_sites(self.arch, sites) if s not in self._active]
+        names = [s for s in expand_sites(self.arch, sites) if s not in self._hooks.active]
         self._change("add", names)
         return names
 
     def remove(self, sites: str | Iterable[str]) -> list[str]:
         """Stop capturing sites (effective for the next capture; hooks go at the next step)."""
-        names = [s for s in expand_sites(self.arch, sites) if s in self._active]
+        names = [s for s in expand_sites(self.arch, sites) if s in self._hooks.active]
         self._change("remove", names)
         return names
 
@@ -210,13 +200,14 @@ class ProbeSession:
         """
         if phase is not None and phase not in PHASE_CODE:
             raise ValueError(f"phase must be one of {tuple(PHASE_CODE)}, got {phase!r}")
-        prev = self._override
-        self._override = {"phase": None if phase is None else PHASE_CODE[phase], "seq_ids": seq_ids,
+        hooks = self._hooks
+        prev = hooks.override
+        hooks.override = {"phase": None if phase is None else PHASE_CODE[phase], "seq_ids": seq_ids,
                           "positions": positions, "valid": valid}
         try:
             yield
         finally:
-            self._override = prev
+            hooks.override = prev
 
     def close(self, timeout: float = 30.0) -> ProbeStats:
         """Remove every hook, hand everything staged to ZeroMQ and end the stream. Idempotent.
@@ -226,13 +217,7 @@ class ProbeSession:
         """
         if not self._closed:
             self._closed = True
-            with self._lock:
-                self._active.clear()
-                self._pending.clear()
-                for h in list(self._handles.values()) + self._top:
-                    h.remove()  # type: ignore[attr-defined]
-                self._handles.clear()
-                self._top.clear()
+            self._hooks.remove_all()
             self._copy.flush_device(block=True)
             s = self.stats
             self.publisher.close({"run": self.run, "captured": s.captured, "published": s.published,
@@ -253,127 +238,30 @@ class ProbeSession:
         self.close()
 
     def __repr__(self) -> str:
-        return f"ProbeSession({len(self._active)} sites, {self.policy}, {self.endpoint})"
+        return f"ProbeSession({len(self._hooks.active)} sites, {self.policy}, {self.endpoint})"
 
     # --- hook management -----------------------------------------------------------------
     def _change(self, op: str, names: list[str]) -> None:
         if self._closed:
             raise RuntimeError("this probe session is closed")
-        with self._lock:
-            if op == "remove":
-                self._active.difference_update(names)  # the hooks stop capturing right now
-            me = threading.get_ident()
-            if self._model_thread is None or self._model_thread == me:
-                self._apply(op, names)
-            else:  # another thread may be inside forward: hook dicts change at the next step
-                self._pending.append((op, names))
+        self._hooks.change(op, names)
         if self._announced:  # subscribers (and probe.live_sessions) learn the new site list
-            self.publisher.set_info(self.info.to_dict())
-            _discovery.register(self.info)
+            info = self.info
+            self.publisher.set_info(info.to_dict())
+            _discovery.register(info)
 
-    def _apply(self, op: str, names: list[str]) -> None:
-        if op == "add":
-            for site in names:
-                point = self.arch.locate(site)
-                key = SiteKey(site, site.encode(), site_layer(site))
-                if point.kind == "pre":
-                    h = point.module.register_forward_pre_hook(partial(self._pre_hook, key), with_kwargs=True)
-                else:
-                    h = point.module.register_forward_hook(partial(self._post_hook, key))
-                self._handles[site] = h
-                self._active.add(site)
-        else:
-            for site in names:
-                h = self._handles.pop(site, None)
-                if h is not None and site not in self._active:
-                    h.remove()  # type: ignore[attr-defined]
-        if self._handles and not self._top:
-            self._top = [
-                self.model.register_forward_pre_hook(self._on_step_start, with_kwargs=True),
-                self.model.register_forward_hook(self._on_step_end),
-            ]
-        elif not self._handles and self._top:
-            for h in self._top:
-                h.remove()
-            self._top = []
 
-    # --- hot path ------------------------------------------------------------------------------
-    def _on_step_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._model_thread = threading.get_ident()
-        if self._pending:
-            with self._lock:
-                for op, names in self._pending:
-                    self._apply(op, names)
-                self._pending.clear()
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ref = ids if ids is not None else kwargs.get("inputs_embeds")
-        if ref is None:
-            self._ident = None
-            return
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        tracker = self._ids
-        self._ident = tracker.begin(ids, kwargs.get("attention_mask"), cache_length(cache), ref.shape[0],
-                                    ref.shape[1], self._override, ref.device)
-        if tracker.warnings:
-            for msg in tracker.warnings:
-                self._warn_once(msg, msg)
-            tracker.warnings.clear()
-
-    def _on_step_end(self, module: nn.Module, args: tuple, output: object) -> None:
-        self._ident = None
-        self._copy.flush_device(block=False)
-        self.publisher.step_done()
-
-    def _pre_hook(self, key: SiteKey, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        t = args[0] if args else kwargs.get("hidden_states")
-        if isinstance(t, torch.Tensor) and key.name in self._active:
-            self._capture(key, t)
-
-    def _post_hook(self, key: SiteKey, module: nn.Module, args: tuple, output: object) -> None:
-        t = output[0] if isinstance(output, (tuple, list)) else output
-        if isinstance(t, torch.Tensor) and key.name in self._active:
-            self._capture(key, t)
-
-    def _capture(self, key: SiteKey, t: torch.Tensor) -> None:
-        cp = self._copy
-        before = cp.captured
-        try:
-            ident = self._ident
-            if ident is None:  # the layer ran outside a forward of the attached model
-                ident = self._ident_from_shape(t)
-            cp.capture(key, t, ident)
-        except Exception as exc:  # never crash the model being observed
-            cp.captured = before + 1
-            cp.dropped += 1
-            self._warn_once(repr(type(exc)), f"probebus: capture of {key.name} failed and was dropped: {exc!r}")
-
-    def _ident_from_shape(self, t: torch.Tensor) -> StepIdentity:
-        self._warn_once("noctx", "probebus: a probed module ran outside a forward of the attached model; "
-                        "captures get fresh seq_ids and positions 0..S-1")
-        batch, seq_len = (t.shape[0], t.shape[1]) if t.dim() == 3 else (1, t.shape[0])
-        tracker = self._ids
-        tracker.step += 1
-        pos = np.arange(seq_len, dtype=np.int64)[None, :]
-        tokens = np.full((batch, seq_len), -1, dtype=np.int64)
-        return StepIdentity(tracker.step, PHASE_CODE["prefill"], batch, seq_len, None, tracker.new_seq_ids(batch),
-                            pos, tokens, t.device)
-
-    def _warn_once(self, key: str, msg: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(msg, stacklevel=3)
-
-    @staticmethod
-    def _stop_tokens(model: nn.Module) -> np.ndarray:
-        cfg = getattr(model, "generation_config", None)
-        ids: list[int] = []
-        for name in ("eos_token_id", "pad_token_id"):
-            v = getattr(cfg, name, None)
-            if isinstance(v, int):
-                ids.append(v)
-            elif isinstance(v, (list, tuple)):
-                ids.extend(int(x) for x in v)
-        return np.array(sorted(set(ids)), dtype=np.int64)
+def _stop_tokens(model: nn.Module) -> np.ndarray:
+    """Token ids that `generate` keeps feeding a finished row (EOS, pad): those rows are not published."""
+    cfg = getattr(model, "generation_config", None)
+    ids: list[int] = []
+    for name in ("eos_token_id", "pad_token_id"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, (list, tuple)):
+            ids.extend(int(x) for x in v)
+    return np.array(sorted(set(ids)), dtype=np.int64)
 
 
 def _version() -> str:
