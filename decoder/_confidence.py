@@ -116,17 +116,13 @@ def _greedy_tokens(target: nn.Module, toks: torch.Tensor) -> torch.Tensor:
 def _examples(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, feats: torch.Tensor,
               greedy: torch.Tensor, steps: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(features [N, F], labels [N]) of the on-policy chain steps of one sequence."""
-    from ._train import ttt_chain
+    from ._train import ttt_chain, windows
 
     d2t = drafter.draft_to_target_ids()
     dev = d2t.device
     toks, feats, greedy = toks.to(dev), feats.to(dev), greedy.to(dev)
     xs, ys = [], []
-    n = len(toks)
-    for s in range(0, n - 2, window):
-        length = min(window, n - 2 - s)
-        if length < 2:
-            break
+    for s, length in windows(len(toks), window):
         t_win = toks[s: s + length + 2][None]
         f_win = feats[s: s + length][None]
         g = greedy[s: s + length + 2]

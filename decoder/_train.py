@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -134,6 +135,16 @@ def ttt_loss(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, fe
     return total, accs
 
 
+def windows(n: int, window: int) -> Iterator[tuple[int, int]]:
+    """(start, length) of the chain windows over a sequence of n tokens: each window needs the two
+    tokens after it (the next input and the target), and a window shorter than 2 is not worth a chain."""
+    for s in range(0, n - 2, window):
+        length = min(window, n - 2 - s)
+        if length < 2:
+            return
+        yield s, length
+
+
 @torch.no_grad()
 def heldout_acceptance(drafter: Eagle3Drafter, embed: nn.Embedding, seqs: list[tuple[torch.Tensor, torch.Tensor]],
                        k: int = 5, window: int = 128) -> dict:
@@ -145,11 +156,7 @@ def heldout_acceptance(drafter: Eagle3Drafter, embed: nn.Embedding, seqs: list[t
     dev = d2t.device
     for toks, feats in seqs:
         toks, feats = toks.to(dev), feats.to(dev)
-        n = len(toks)
-        for s in range(0, n - 2, window):
-            length = min(window, n - 2 - s)
-            if length < 2:
-                break
+        for s, length in windows(len(toks), window):
             t_win = toks[s: s + length + 2][None]
             alive = torch.ones(length, dtype=torch.bool, device=dev)
             chains += length

@@ -79,3 +79,25 @@ def probebus_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "probebus"] if wired else [sys.executable, "-m", "probebus._cmd_exporters"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     return subprocess.run(cmd + args, capture_output=True, text=True, env=env, cwd=ROOT, **kw)
+
+
+class FaultyFile:
+    """A real file whose `write` a subclass makes fail or hang: a disk fault the tests cannot cause
+    on demand (the only simulated faults of the suite; a real full tmpfs is tested too)."""
+
+    def __init__(self, path: str) -> None:
+        self.f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by pyarrow through close()
+        self.closed = False
+
+    def write(self, data: bytes) -> int:
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+        self.f.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-from _exporters_helpers import ROOT, tiny_llama
+from _exporters_helpers import ROOT, FaultyFile, tiny_llama
 from models import PAD, left_padded
 
 import exporters
@@ -169,30 +169,16 @@ def test_directory_lost_mid_recording_stops_cleanly_model_keeps_generating(tmp_p
     assert session.stats.dropped == 0
 
 
-class _FullDisk:
+class _FullDisk(FaultyFile):
     """The only simulated fault: a file whose writes fail with ENOSPC once a byte budget is spent."""
 
     budget = 0
-
-    def __init__(self, path: str) -> None:
-        self.f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by pyarrow through close()
-        self.closed = False
 
     def write(self, data: bytes) -> int:
         if _FullDisk.budget < len(data):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         _FullDisk.budget -= len(data)
         return self.f.write(data)
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-        self.f.close()
 
 
 def test_disk_full_clear_error_and_written_rows_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-from _exporters_helpers import ROOT, tiny_llama
+from _exporters_helpers import ROOT, FaultyFile, tiny_llama
 from models import PAD, left_padded
 
 import exporters
@@ -128,28 +128,14 @@ def test_signal_finishes_files_and_manifest(tmp_path: Path, sig: signal.Signals)
     assert exporters.read_recording(out).num_rows == manifest["counts"]["rows"]
 
 
-class _HungFile:
+class _HungFile(FaultyFile):
     """A sink whose writes block until released: a file system that stopped answering (simulated)."""
 
     release = threading.Event()
 
-    def __init__(self, path: str) -> None:
-        self.f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed through close()
-        self.closed = False
-
     def write(self, data: bytes) -> int:
         _HungFile.release.wait(120)
         return self.f.write(data)
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-        self.f.close()
 
 
 def test_stop_returns_even_when_the_writer_hangs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
