@@ -227,7 +227,7 @@ Greedy degeneracy (`probebus.models.corpus.degeneracy` / `heldout_degeneracy`):
 
 ## Limitations
 
-Tiny, trained for about an hour of CPU on a few MB of one project's code: it produces
+Tiny, trained for about two hours of a shared 2-core CPU on a few MB of one project's code: it produces
 Python-looking text with plausible local syntax and identifiers, but not correct programs,
 and greedy decoding still repeats itself (see the degeneracy above). No safety tuning.
 Only for testing and demonstrating probebus.
