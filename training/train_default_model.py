@@ -3,9 +3,9 @@
 
 Usage::
 
-    nice -n 10 python training/train_default_model.py --out /tmp/pb-default \
-        --init-from probebus/models/default --baseline probebus/models/default   # how the shipped model was made
-    nice -n 10 python training/train_default_model.py --out /tmp/pb-default --resume  # after an interruption
+    nice -n 10 python training/train_default_model.py --out /tmp/pb-stage2 --init-from /tmp/pb-stage1
+    nice -n 10 python training/train_default_model.py --out /tmp/pb-stage2 --init-from /tmp/pb-stage1 --resume
+    # the shipped model took three such stages: see "Training history" in probebus/models/default/README.md
     python training/train_default_model.py --out /tmp/m --steps 20 --minutes 2 --eval-every 0   # smoke run
 
 Steps (all deterministic given ``--seed``, apart from floating-point
