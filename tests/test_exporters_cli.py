@@ -8,7 +8,6 @@ import sys
 import threading
 from pathlib import Path
 
-import pyarrow.compute as pa_compute
 import pytest
 import torch
 from _exporters_helpers import ROOT, probebus_cli, save_model_with_tokenizer, tiny_llama
