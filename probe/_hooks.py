@@ -114,8 +114,11 @@ class Hooks:
 
     def _on_step_end(self, module: nn.Module, args: tuple, output: object) -> None:
         self._ident = None
-        self._copy.flush_device(block=False)
-        self.publisher.step_done()
+        try:
+            self._copy.flush_device(block=False)  # sends the step's small captures first
+            self.publisher.step_done()
+        except Exception as exc:  # never crash the model being observed
+            self._warn_once(repr(type(exc)), f"probebus: sending a step's captures failed: {exc!r}")
 
     def _pre_hook(self, key: SiteKey, module: nn.Module, args: tuple, kwargs: dict) -> None:
         t = args[0] if args else kwargs.get("hidden_states")
@@ -132,9 +135,11 @@ class Hooks:
         before = cp.captured
         try:
             ident = self._ident
-            if ident is None:  # the layer ran outside a forward of the attached model
-                ident = self._ident_from_shape(t)
-            cp.capture(key, t, ident)
+            if ident is None:  # the layer ran outside a forward of the attached model: no step end follows
+                cp.capture(key, t, self._ident_from_shape(t))
+                cp.flush()
+            else:
+                cp.capture(key, t, ident)
         except Exception as exc:  # never crash the model being observed
             cp.captured = before + 1
             cp.dropped += 1

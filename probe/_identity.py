@@ -17,27 +17,29 @@ whole mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
 PREFILL, DECODE, VERIFY = 0, 1, 2
 
 
-@dataclass
 class StepIdentity:
-    step: int
-    phase: int
-    batch: int
-    seq_len: int
-    valid: np.ndarray | None  # bool [B, S]; None: every token is real
-    seq_ids: np.ndarray  # int64 [B]
-    positions: np.ndarray  # int64 [B, S], or [1, S] when every row has the same positions
-    token_ids: np.ndarray  # int64 [B, S] (-1 when the model was fed embeddings)
-    device: torch.device
-    _rows: dict[int, tuple[np.ndarray | None, bytes, int]] = field(default_factory=dict)
-    _device_index: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Whose token each row of this step's activations is (shared by every site of the step)."""
+
+    __slots__ = ("step", "phase", "batch", "seq_len", "valid", "seq_ids", "positions", "token_ids", "device",
+                 "_rows", "_device_index")
+
+    def __init__(self, step: int, phase: int, batch: int, seq_len: int, valid: np.ndarray | None,
+                 seq_ids: np.ndarray, positions: np.ndarray, token_ids: np.ndarray, device: torch.device,
+                 rows: dict[int, tuple[np.ndarray | None, bytes, int]] | None = None) -> None:
+        self.step, self.phase, self.batch, self.seq_len = step, phase, batch, seq_len
+        self.valid = valid  # bool [B, S]; None: every token is real
+        self.seq_ids = seq_ids  # int64 [B]
+        self.positions = positions  # int64 [B, S], or [1, S] when every row has the same positions
+        self.token_ids = token_ids  # int64 [B, S] (-1 when the model was fed embeddings)
+        self.device = device
+        self._rows = rows if rows is not None else {}
+        self._device_index: dict[int, torch.Tensor] = {}
 
     def rows(self, seq_len: int) -> tuple[np.ndarray | None, bytes, int]:
         """(flat row index or None for "all rows", tokens int64 [3, n] as bytes, n).
@@ -129,6 +131,11 @@ class IdentityTracker:
 
     def begin(self, ids: torch.Tensor | None, mask: torch.Tensor | None, past: int, batch: int, seq_len: int,
               override: dict | None, device: torch.device) -> StepIdentity:
+        if (override is None and seq_len == 1 and past > 0 and ids is not None and ids.device.type == "cpu"
+                and (mask is None or mask.device.type == "cpu")):
+            fast = self._decode_step(ids, mask, past, batch, device)
+            if fast is not None:
+                return fast
         ov = override or {}
         positions, valid = self._positions(mask, batch, seq_len, past)
         if ov.get("positions") is not None:
@@ -159,6 +166,39 @@ class IdentityTracker:
         if valid is not None and valid.all():
             valid = None
         return StepIdentity(self.step, phase, batch, seq_len, valid, seq_ids, positions, token_ids, device)
+
+    def _decode_step(self, ids: torch.Tensor, mask: torch.Tensor | None, past: int, batch: int,
+                     device: torch.device) -> StepIdentity | None:
+        """The common decode step in a handful of numpy operations (None: take the general path).
+
+        One new token per row, every row real and none finished; positions are the cache
+        length (no mask) or last step's counts carried (a mask one column wider than last
+        step's). Measured inside a running generate, the general path cost ~85 us per step
+        (cold caches between the model's layers make every small numpy call several times
+        slower than in a loop).
+        """
+        if len(self._seq_ids) != batch or self._finished.any():
+            return None
+        if mask is None:
+            count = self._count = None  # as the general path: positions are the cache length
+        else:
+            count = self._count
+            if (count is None or len(count) != batch or mask.shape != (batch, past + 1)
+                    or past != self._expect_width or not mask.numpy()[:, -1].all()):
+                return None
+        tok = ids.numpy()[:, 0]
+        if len(self.stop_ids) and (tok[:, None] == self.stop_ids).any():
+            return None  # a row finishes here: the general path strips it
+        tokens = np.empty((3, batch), dtype=np.int64)
+        tokens[0] = self._seq_ids
+        tokens[1] = past if count is None else count
+        tokens[2] = tok
+        if count is not None:
+            self._count = count + 1
+            self._expect_width = past + 1
+        self.step += 1
+        return StepIdentity(self.step, DECODE, batch, 1, None, self._seq_ids, tokens[1:2].T, tokens[2:3].T, device,
+                            {1: (None, tokens.tobytes(), batch)})
 
     def _positions(self, mask: torch.Tensor | None, batch: int, seq_len: int,
                    past: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -71,7 +71,7 @@ class Publisher:
         self.published = 0
         self.dropped = 0  # refused by a full pipe after the stall limit, or while closing
         self.bytes = 0
-        self.counts: dict[bytes, int] = {}  # per site: published so far (the next capture's seq)
+        self.counts: dict[bytes, int] = {}  # per site: the seq after the last published capture
         self.subscribers: set[bytes] = set()
         self.degraded = False
         self.last_active = 0.0
@@ -101,7 +101,35 @@ class Publisher:
         self._thread.start()
 
     # --- the model's thread ----------------------------------------------------------------
-    def send(self, site: bytes, frame0: bytes, payload: np.ndarray | None = None, nbytes: int = 0) -> object:
+    def send_frames(self, frames: list[tuple[bytes, bytes, int, int]]) -> None:
+        """Send one-frame captures (topic, frame, payload bytes, seq) in order, holding the lock once."""
+        lock, sock = self.lock, self.sock
+        i, n = 0, len(frames)
+        while i < n:
+            with lock:
+                try:
+                    while i < n:
+                        site, frame, nbytes, seq = frames[i]
+                        sock.send(frame, _NOBLOCK)
+                        self._sent(site, seq, nbytes)
+                        i += 1
+                except zmq.Again:
+                    pass
+                except zmq.ZMQError:  # closed under us (close from another thread)
+                    self.dropped += n - i
+                    return
+            if i < n:  # a full pipe: this one waits (complete) or is dropped, then the rest go on
+                site, frame, nbytes, seq = frames[i]
+                self.send(site, frame, nbytes=nbytes, seq=seq)
+                i += 1
+
+    def _sent(self, site: bytes, seq: int, nbytes: int) -> None:
+        self.counts[site] = seq + 1
+        self.published += 1
+        self.bytes += nbytes
+
+    def send(self, site: bytes, frame0: bytes, payload: np.ndarray | None = None, nbytes: int = 0,
+             seq: int = 0) -> object:
         """Hand one capture to ZeroMQ: False if dropped, else the payload's tracker (None when inline).
 
         `nbytes`: the activation bytes inside `frame0` when there is no separate payload (for stats)."""
@@ -115,9 +143,7 @@ class Publisher:
         if sent is False:
             self.dropped += 1
             return False
-        self.counts[site] = self.counts.get(site, 0) + 1
-        self.published += 1
-        self.bytes += nbytes if payload is None else payload.nbytes
+        self._sent(site, seq, nbytes if payload is None else payload.nbytes)
         return sent
 
     def _send_locked(self, frame0: bytes, payload: np.ndarray | None) -> object:

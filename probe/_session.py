@@ -50,7 +50,8 @@ class ProbeStats:
     published   handed to ZeroMQ (each subscriber reports what it missed after that:
                 `SubscriberStats.missed`)
     dropped     no room under best_effort, a failed copy, or refused after the stall limit
-    queued      device copies not yet sent (CUDA only; 0 on CPU and after close)
+    queued      staged and not yet sent: the running step's captures (sent at its end) and
+                device copies in flight (CUDA); 0 between steps on CPU and after close
     degraded    `complete` hit `stall_timeout` and stopped blocking on a full subscriber
     """
 

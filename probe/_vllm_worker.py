@@ -237,6 +237,10 @@ class VllmProbe:
         self._idents = []
         pub = self.publisher
         assert pub is not None
+        try:
+            self._copy.flush_device(block=False)  # the step's small captures, in one burst
+        except Exception:  # never crash the engine being observed
+            pass
         if self._new_requests:
             self._new_requests = False
             pub.set_info(self.info())
@@ -273,6 +277,8 @@ class VllmProbe:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.publisher is not None:
+            self._copy.flush_device(block=True)
         out = self.stats()
         if self.publisher is not None:
             self.publisher.close({"run": self.run, "captured": out["captured"], "published": out["published"],
