@@ -17,6 +17,8 @@ whole mask.
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import torch
 
@@ -26,20 +28,34 @@ PREFILL, DECODE, VERIFY = 0, 1, 2
 class StepIdentity:
     """Whose token each row of this step's activations is (shared by every site of the step)."""
 
-    __slots__ = ("step", "phase", "batch", "seq_len", "valid", "seq_ids", "positions", "token_ids", "device",
+    __slots__ = ("step", "phase", "batch", "seq_len", "valid", "seq_ids", "_positions", "_token_ids", "device",
                  "_rows", "_device_index")
 
     def __init__(self, step: int, phase: int, batch: int, seq_len: int, valid: np.ndarray | None,
-                 seq_ids: np.ndarray, positions: np.ndarray, token_ids: np.ndarray, device: torch.device,
-                 rows: dict[int, tuple[np.ndarray | None, bytes, int]] | None = None) -> None:
+                 seq_ids: np.ndarray, positions: np.ndarray | None, token_ids: np.ndarray | None,
+                 device: torch.device, rows: dict[int, tuple[np.ndarray | None, bytes, int]] | None = None) -> None:
         self.step, self.phase, self.batch, self.seq_len = step, phase, batch, seq_len
         self.valid = valid  # bool [B, S]; None: every token is real
         self.seq_ids = seq_ids  # int64 [B]
-        self.positions = positions  # int64 [B, S], or [1, S] when every row has the same positions
-        self.token_ids = token_ids  # int64 [B, S] (-1 when the model was fed embeddings)
+        self._positions = positions  # None: read from rows[1] (the decode fast path)
+        self._token_ids = token_ids
         self.device = device
         self._rows = rows if rows is not None else {}
         self._device_index: dict[int, torch.Tensor] = {}
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int64 [B, S], or [1, S] when every row has the same positions."""
+        if self._positions is None:
+            self._positions = np.frombuffer(self._rows[1][1], dtype=np.int64).reshape(3, self.batch, 1)[1]
+        return self._positions
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """int64 [B, S] (-1 when the model was fed embeddings)."""
+        if self._token_ids is None:
+            self._token_ids = np.frombuffer(self._rows[1][1], dtype=np.int64).reshape(3, self.batch, 1)[2]
+        return self._token_ids
 
     def rows(self, seq_len: int) -> tuple[np.ndarray | None, bytes, int]:
         """(flat row index or None for "all rows", tokens int64 [3, n] as bytes, n).
@@ -120,7 +136,12 @@ class IdentityTracker:
         self.next_seq = 0
         self._seq_ids = np.empty(0, dtype=np.int64)
         self._finished = np.empty(0, dtype=bool)
-        self._count: np.ndarray | None = None  # real tokens per row so far (mask-derived positions)
+        # Python mirrors for the decode fast path: inside a running model every numpy call
+        # costs 5-40 us (its code is cold between layers); list and set operations do not.
+        self._seq_list: list[int] = []
+        self._any_finished = False
+        self._stop_set = set(stop_ids.tolist())
+        self._count: np.ndarray | list[int] | None = None  # real tokens per row so far (mask-derived positions)
         self._expect_width = -1  # mask width at which the carried counts are valid
         self.warnings: list[str] = []
 
@@ -152,14 +173,17 @@ class IdentityTracker:
                 self.warnings.append(f"probebus: batch changed to {batch} rows mid-generation; new seq_ids issued")
             seq_ids = self.new_seq_ids(batch)
             self._finished = np.zeros(batch, dtype=bool)
+            self._any_finished = False
         else:
             seq_ids = self._seq_ids
-        self._seq_ids = seq_ids
+        if seq_ids is not self._seq_ids:
+            self._seq_ids, self._seq_list = seq_ids, seq_ids.tolist()
         token_ids = host_array(ids, np.int64) if ids is not None else np.full((batch, seq_len), -1, dtype=np.int64)
         if phase == DECODE and len(self.stop_ids) and len(self._finished) == batch:
             first = token_ids[:, 0]
             self._finished |= (first[:, None] == self.stop_ids[None, :]).any(1)
-            if self._finished.any():
+            self._any_finished = bool(self._finished.any())
+            if self._any_finished:
                 keep = ~self._finished[:, None]
                 valid = keep if valid is None else valid & keep
         self.step += 1
@@ -169,36 +193,35 @@ class IdentityTracker:
 
     def _decode_step(self, ids: torch.Tensor, mask: torch.Tensor | None, past: int, batch: int,
                      device: torch.device) -> StepIdentity | None:
-        """The common decode step in a handful of numpy operations (None: take the general path).
+        """The common decode step in plain Python (None: take the general path).
 
         One new token per row, every row real and none finished; positions are the cache
         length (no mask) or last step's counts carried (a mask one column wider than last
-        step's). Measured inside a running generate, the general path cost ~85 us per step
-        (cold caches between the model's layers make every small numpy call several times
-        slower than in a loop).
+        step's). Measured inside a running generate on the 2-core VM: the general path cost
+        ~85 us per step and the same logic in numpy ~80 us (each call's code is cold between
+        the model's layers); this ~15 us.
         """
-        if len(self._seq_ids) != batch or self._finished.any():
+        seq = self._seq_list
+        if len(seq) != batch or self._any_finished:
             return None
-        if mask is None:
-            count = self._count = None  # as the general path: positions are the cache length
-        else:
+        if mask is not None:
             count = self._count
-            if (count is None or len(count) != batch or mask.shape != (batch, past + 1)
-                    or past != self._expect_width or not mask.numpy()[:, -1].all()):
+            if (count is None or len(count) != batch or past != self._expect_width
+                    or mask.shape != (batch, past + 1) or 0 in mask.numpy()[:, -1].tolist()):
                 return None
-        tok = ids.numpy()[:, 0]
-        if len(self.stop_ids) and (tok[:, None] == self.stop_ids).any():
-            return None  # a row finishes here: the general path strips it
-        tokens = np.empty((3, batch), dtype=np.int64)
-        tokens[0] = self._seq_ids
-        tokens[1] = past if count is None else count
-        tokens[2] = tok
-        if count is not None:
-            self._count = count + 1
+        tok = [row[0] for row in ids.tolist()]
+        if self._stop_set and not self._stop_set.isdisjoint(tok):
+            return None  # a row finishes here: the general path strips it (nothing changed yet)
+        if mask is None:
+            self._count = None
+            pos = [past] * batch
+        else:
+            pos = count if isinstance(count, list) else count.tolist()
+            self._count = [c + 1 for c in pos]
             self._expect_width = past + 1
         self.step += 1
-        return StepIdentity(self.step, DECODE, batch, 1, None, self._seq_ids, tokens[1:2].T, tokens[2:3].T, device,
-                            {1: (None, tokens.tobytes(), batch)})
+        return StepIdentity(self.step, DECODE, batch, 1, None, self._seq_ids, None, None, device,
+                            {1: (None, array("q", seq + pos + tok).tobytes(), batch)})
 
     def _positions(self, mask: torch.Tensor | None, batch: int, seq_len: int,
                    past: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -209,7 +232,7 @@ class IdentityTracker:
                 new = host_array(mask[:, past:], np.int64)
                 if self._count is not None and past > 0 and width - seq_len == self._expect_width \
                         and len(self._count) == batch:
-                    start = self._count  # carried from the previous step: no re-sum of the history
+                    start = np.asarray(self._count)  # carried from the previous step: no re-sum of the history
                 else:
                     start = host_array(mask[:, :past], np.int64).sum(1)
                 return self._advance(start, new, width)
