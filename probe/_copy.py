@@ -2,7 +2,7 @@
 
     path = CopyPath(publisher, run=b"r1", capacity=64 << 20, cuda=False)
     path.capture(key, tensor, identity)        # from a hook, on the model's thread
-    path.flush_device(block=True)              # CUDA: send what the side stream has copied
+    path.flush_device(block=True)              # CUDA: send what the device has copied
 
 On CPU, small captures (< 64 KiB) are gathered straight into the message bytes
 (`encode_envelope` joins header, token ids and rows) and ZeroMQ copies them once more
@@ -14,8 +14,11 @@ OpenMP region waiting on a core that a subscriber holds cost 7.8 ms instead of 1
 for 384 KiB (measured on the 2-core machine).
 
 On CUDA the rows are gathered on the device and copied non-blocking into the pinned
-ring on a side stream; the capture is sent at a later step boundary, once its event
-has completed, so the model's thread never waits for the copy.
+ring, in the model's own stream order; one event per step marks them, and they are
+sent at a later step boundary once it has completed, so the model's thread never waits
+for the copy. (A side stream with an event per capture cost 6 CUDA calls per capture
+and measured +40 % on an H200 at batch 1: the host, not the GPU, is the bottleneck of
+a decode step there.)
 
 Memory: staged payloads stay within `capacity` bytes; a capture larger than the whole
 ring is sent alone from a one-off buffer under `complete` (the hook waits for ZeroMQ to
@@ -46,7 +49,6 @@ class SiteKey(NamedTuple):
 
 
 class _DeviceCopy(NamedTuple):
-    event: object  # torch.cuda.Event recorded after the device-to-host copy
     key: SiteKey
     step: int
     phase: int
@@ -64,8 +66,9 @@ class CopyPath:
         self.ring = StagingRing(capacity, pinned=cuda_device is not None)
         self.captured = 0
         self.dropped = 0  # dropped here: no ring space under best_effort, or a failed copy
-        self._stream = torch.cuda.Stream(device=cuda_device) if cuda_device is not None else None
-        self._device: deque[_DeviceCopy] = deque()
+        self._cuda_device = cuda_device
+        self._step_copies: list[_DeviceCopy] = []  # device copies of the running step, not yet marked
+        self._device: deque[tuple[object, list[_DeviceCopy]]] = deque()  # (event after them, copies) per step
         self._frames: list[tuple[bytes, bytes, int, int]] = []  # small captures of this step: topic, frame, bytes, seq
         self._seq: dict[bytes, int] = {}  # per site: captures staged so far (the next one's seq)
         self._warned: set[str] = set()
@@ -178,28 +181,27 @@ class CopyPath:
         src = t.detach().reshape(batch * seq_len, hidden)
         rows = src if index is None else src.index_select(0, ident.device_index(seq_len))
         dst = torch.from_numpy(data).view(t.dtype).view(n, hidden)
-        stream = self._stream
-        assert stream is not None
-        stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(stream):
-            dst.copy_(rows, non_blocking=True)
-            rows.record_stream(stream)
-            event = torch.cuda.Event()
-            event.record(stream)
-        self._device.append(_DeviceCopy(event, key, ident.step, ident.phase, dtype, hidden, tokens, off, data))
+        dst.copy_(rows, non_blocking=True)  # the model's stream: ordered after the layer, no record_stream needed
+        self._step_copies.append(_DeviceCopy(key, ident.step, ident.phase, dtype, hidden, tokens, off, data))
 
     def flush_device(self, block: bool) -> None:
         """Send, in order, the device copies that have landed (all of them when `block`)."""
         self.flush()
+        if self._step_copies:  # one event marks every copy of the step
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._cuda_device))
+            self._device.append((event, self._step_copies))
+            self._step_copies = []
         pending = self._device
-        while pending and (block or pending[0].event.query()):  # type: ignore[attr-defined]
-            c = pending.popleft()
-            c.event.synchronize()  # type: ignore[attr-defined]
-            self._send_staged(c.key, c.step, c.phase, c.dtype, c.hidden, c.tokens, c.off, c.data)
+        while pending and (block or pending[0][0].query()):  # type: ignore[attr-defined]
+            event, copies = pending.popleft()
+            event.synchronize()  # type: ignore[attr-defined]
+            for c in copies:
+                self._send_staged(c.key, c.step, c.phase, c.dtype, c.hidden, c.tokens, c.off, c.data)
 
     @property
     def queued(self) -> int:
-        return len(self._device) + len(self._frames)
+        return sum(len(c) for _, c in self._device) + len(self._step_copies) + len(self._frames)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

@@ -10,7 +10,7 @@ One preallocated byte buffer used as a FIFO: allocations are contiguous and are 
 in allocation order, so memory never fragments and staged payloads stay within
 `capacity` bytes. Only the model's thread allocates and reclaims (no lock, no other
 thread). On a CUDA model the buffer is pinned so device-to-host copies run
-asynchronously on a side stream.
+asynchronously (the host does not wait for them).
 """
 
 from __future__ import annotations
