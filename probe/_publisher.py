@@ -303,10 +303,15 @@ class Publisher:
         """
         frame = encode_control(END_TOPIC, self._end_body)
         next_send = 0.0
+        with self.lock:
+            self._service()
+            # Only those present at close are waited for: one that joins while the end is being repeated gets it
+            # too and leaves, but a client that reconnects in a loop would otherwise keep the socket open forever.
+            waiting = set(self.subscribers)
         while time.monotonic() < self._deadline:
             with self.lock:
                 self._service()
-                if not self.subscribers:
+                if not waiting & self.subscribers:
                     return
                 if time.monotonic() >= next_send:
                     try:

@@ -323,3 +323,25 @@ def test_one_subscriber_on_two_publishers_ends_after_both() -> None:
     rest = list(sub.iter(idle_timeout=5))
     assert len(rest) == 3 and sub.ended and sub.stats.missed == 0
     assert sub.end_counts == {"layers.0.resid_post": 2, "layers.1.resid_post": 3}
+
+
+def test_a_subscriber_that_reconnects_in_a_loop_does_not_keep_a_closed_session_open() -> None:
+    """A drain that opens a new Subscriber as soon as one ends gets each repeat of the end of stream and
+    re-subscribes: a session waits for the subscribers present at close only (it used to wait its whole linger)."""
+    model = build("llama")
+    loop = ("import sys, probe\nwhile True:\n    s = probe.Subscriber(sys.argv[1])\n    for c in s:\n        pass\n"
+            "    s.close()\n")
+    endpoint = f"ipc:///tmp/probebus-test-reconnect-{os.getpid()}"  # one endpoint for the three sessions
+    drain = subprocess.Popen([sys.executable, "-c", loop, endpoint])
+    try:
+        for _ in range(3):
+            with probe.attach(model, "layers.*.resid_post", endpoint=endpoint) as session:
+                assert session.wait_for_subscribers(1, timeout=30)
+                with torch.no_grad():
+                    model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+            t0 = time.monotonic()
+            assert session.join(20), "the end of stream was never acknowledged"
+            assert time.monotonic() - t0 < 10
+    finally:
+        drain.kill()
+        drain.wait()
