@@ -126,6 +126,13 @@ class SpeculativeDecoder:
         """Greedy output equals `target.generate(do_sample=False)`; sampling follows the target's distribution
         exactly. `streamer` takes transformers' streamer interface (put(ids), end()); batch 1 only."""
         t0 = time.perf_counter()
+        key = (input_ids.shape[0], "sample" if temperature > 0 else "greedy")
+        auto = not self.sched.fixed and seed is None and (self.feeder is not None or self.ngram is not None)
+        if auto and max_new_tokens >= 1 and self.cost.paths.pick(key) == "plain":
+            out = self._plain(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                              pad_token_id, streamer)
+            self.cost.paths.observe(key, "plain", out.stats.tokens_per_s)
+            return out
         run = self._start(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
                           streamer)
         self._prefill(run)
@@ -140,7 +147,42 @@ class SpeculativeDecoder:
         run.stats.seconds = time.perf_counter() - t0
         if run.streamer is not None:
             run.streamer.end()
+        if auto:
+            self.cost.paths.observe(key, "spec", run.stats.tokens_per_s)
         return SpecOutput(run.sequences(pad_token_id), run.stats)
+
+    def _plain(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
+               temperature: float, top_k: int | None, top_p: float | None, eos: int | list[int] | None,
+               pad: int | None, streamer: object) -> SpecOutput:
+        """The call as the target's own `generate`, probes off: the same output (greedy) or distribution."""
+        from transformers import GenerationConfig
+
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch >= 1, length >= 1], got {tuple(input_ids.shape)}")
+        if self.session is not None:
+            self._capture(False)  # no hooks on the target's own loop; the next speculative call puts them back
+        t0 = time.perf_counter()
+        sample = temperature > 0
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        # Every field set: `generate` fills unset (None) ones from the model's generation config and global
+        # defaults (top_k=50, its EOS), which this loop does not apply. An empty EOS list stops nothing.
+        config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=sample, num_beams=1,
+                                  temperature=temperature if sample else 1.0, top_k=top_k or 0, top_p=top_p or 1.0,
+                                  repetition_penalty=1.0, eos_token_id=eos_ids,
+                                  pad_token_id=pad if pad is not None else 0)
+        device = next(self.target.parameters()).device
+        mask = attention_mask.to(device) if attention_mask is not None else torch.ones_like(input_ids, device=device)
+        seq = self.target.generate(input_ids.to(device), attention_mask=mask, generation_config=config,
+                                   streamer=streamer).cpu()
+        b, new = input_ids.shape[0], seq.shape[1] - input_ids.shape[1]
+        emitted = 0
+        for row in seq[:, input_ids.shape[1]:].tolist():  # a row's tokens up to its first EOS
+            stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
+            emitted += len(row) if stop is None else stop + 1
+        stats = SpecStats(batch=b, rounds=new, target_forwards=new, emitted=emitted, row_rounds=emitted,
+                          plain_rounds=new, delegated=True)
+        stats.seconds = stats.verify_s = time.perf_counter() - t0
+        return SpecOutput(seq, stats)
 
     # --- pieces ---------------------------------------------------------------------------
     def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,

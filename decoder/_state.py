@@ -31,6 +31,7 @@ class SpecStats:
     eagle_rounds: int = 0  # row-rounds drafted by EAGLE-3
     ngram_rounds: int = 0  # row-rounds drafted by n-gram
     plain_rounds: int = 0  # rounds with nothing drafted (a plain step)
+    delegated: bool = False  # the call ran as the target's own `generate` (drafting measured not to pay)
     seconds: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import PAD, build, left_padded
+from models import EOS, PAD, build, left_padded
 
 from decoder import (
     CostModel,
@@ -20,6 +20,7 @@ from decoder import (
     oracle_bound,
     simulated_seconds,
 )
+from decoder._cost import PathChoice
 
 
 def test_cost_curve_is_measured_once_cached_and_refreshable(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
@@ -99,3 +100,30 @@ def test_oracle_bound_on_a_looping_model() -> None:
     assert res.tokens == 48 and res.speedup > 1.2 and res.tau > 1.5  # (the measured prefill counts too)
     assert sum(res.choices.values()) == res.row_rounds
     assert simulated_seconds(out.stats, flat) > 0
+
+
+def test_calls_where_drafting_does_not_pay_run_as_the_targets_own_generate(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("PROBEBUS_CACHE_DIR", str(tmp_path))
+    model = build("llama", layers=2)
+    ids, mask = left_padded([[5, 6, 7, 8], [9, 10]])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                              eos_token_id=EOS, pad_token_id=PAD)
+    spec = SpeculativeDecoder(model, NgramDrafter(), k=3)
+    spec.cost.paths.observe((2, "greedy"), "spec", 100.0)
+    spec.cost.paths.observe((2, "greedy"), "plain", 200.0)  # as measured: plain calls were faster
+    out = spec.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
+    assert out.stats.delegated and torch.equal(out.sequences, want)
+    assert out.stats.emitted == sum(min(len(r[ids.shape[1]:]), (r[ids.shape[1]:] + [EOS]).index(EOS) + 1)
+                                    for r in want.tolist())
+    seeded = spec.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, seed=0)
+    assert not seeded.stats.delegated and torch.equal(seeded.sequences, want)  # a seed: nothing measured decides
+    fixed = SpeculativeDecoder(model, NgramDrafter(), k=3, schedule="fixed", cost=spec.cost)
+    assert not fixed.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD).stats.delegated
+
+    choice, picks = PathChoice(), []  # both paths measured first; the slower one again every EXPLORE-th call
+    for _ in range(2 * PathChoice.EXPLORE + 1):
+        path = choice.pick((1, "greedy"))
+        picks.append(path)
+        choice.observe((1, "greedy"), path, 100.0 if path == "spec" else 50.0)
+    assert picks[:2] == ["spec", "plain"] and picks.count("plain") == 3 and picks[-1] == "spec"
