@@ -132,7 +132,8 @@ def oracle(model, tok, prompts: list[str], batch: int, temp: float, args, drafte
                                 pad_token_id=tok.pad_token_id)
             o_sec += res.seconds
             p_sec += res.plain_seconds
-            auto_sec += simulated_seconds(out.stats, cost, prefill)
+            # a call handed to `generate` ran plain steps: on the cost model's clock, what plain costs
+            auto_sec += res.plain_seconds if out.stats.delegated else simulated_seconds(out.stats, cost, prefill)
             tau_num += res.tau * res.row_rounds
             tau_den += res.row_rounds
     finally:
