@@ -137,7 +137,7 @@ class Hooks:
             ident = self._ident
             if ident is None:  # the layer ran outside a forward of the attached model: no step end follows
                 cp.capture(key, t, self._ident_from_shape(t))
-                cp.flush()
+                cp.flush_device(block=False)  # CPU: sends it now; CUDA: marks its copy for a later boundary
             else:
                 cp.capture(key, t, ident)
         except Exception as exc:  # never crash the model being observed
