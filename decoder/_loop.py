@@ -50,6 +50,20 @@ class RoundDrafts:
     overlap: list[float] | None = None
 
 
+def _check_call(input_ids: torch.Tensor, max_new_tokens: int, streamer: object) -> None:
+    """The arguments both paths of a call (the loop, or the target's own `generate`) refuse alike."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch >= 1, length >= 1], got {tuple(input_ids.shape)}")
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError("a streamer needs batch size 1 (as in transformers)")
+
+
+def _eos_list(eos: int | list[int] | None) -> list[int]:
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
 class SpeculativeDecoder:
     """drafter: an Eagle3Drafter, a remote Feeder (`RemoteEagle`), an NgramDrafter, "auto" (EAGLE-3 if one
     ships with the target, plus n-gram), or None (plain steps). k is the longest draft."""
@@ -128,7 +142,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         key = (input_ids.shape[0], "sample" if temperature > 0 else "greedy")
         auto = not self.sched.fixed and seed is None and (self.feeder is not None or self.ngram is not None)
-        if auto and max_new_tokens >= 1 and self.cost.paths.pick(key) == "plain":
+        if auto and self.cost.paths.pick(key) == "plain":
             out = self._plain(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
                               pad_token_id, streamer)
             self.cost.paths.observe(key, "plain", out.stats.tokens_per_s)
@@ -157,13 +171,12 @@ class SpeculativeDecoder:
         """The call as the target's own `generate`, probes off: the same output (greedy) or distribution."""
         from transformers import GenerationConfig
 
-        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [batch >= 1, length >= 1], got {tuple(input_ids.shape)}")
+        _check_call(input_ids, max_new_tokens, streamer)
         if self.session is not None:
             self._capture(False)  # no hooks on the target's own loop; the next speculative call puts them back
         t0 = time.perf_counter()
         sample = temperature > 0
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        eos_ids = _eos_list(eos)
         # Every field set: `generate` fills unset (None) ones from the model's generation config and global
         # defaults (top_k=50, its EOS), which this loop does not apply. An empty EOS list stops nothing.
         config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=sample, num_beams=1,
@@ -188,14 +201,9 @@ class SpeculativeDecoder:
     def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
                temperature: float, top_k: int | None, top_p: float | None, eos: int | list[int] | None,
                seed: int | None, streamer: object) -> Run:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [batch >= 1, length >= 1], got {tuple(input_ids.shape)}")
-        if streamer is not None and input_ids.shape[0] != 1:
-            raise ValueError("a streamer needs batch size 1 (as in transformers)")
+        _check_call(input_ids, max_new_tokens, streamer)
         device = next(self.target.parameters()).device
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        eos_ids = _eos_list(eos)
         run = Run(input_ids, attention_mask, max_new_tokens=max_new_tokens, k=self.k, eos=eos_ids, device=device)
         run.temperature, run.top_k, run.top_p, run.streamer = temperature, top_k, top_p, streamer
         run.gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None

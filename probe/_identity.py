@@ -47,15 +47,19 @@ class StepIdentity:
     def positions(self) -> np.ndarray:
         """int64 [B, S], or [1, S] when every row has the same positions."""
         if self._positions is None:
-            self._positions = np.frombuffer(self._rows[1][1], dtype=np.int64).reshape(3, self.batch, 1)[1]
+            self._positions = self._decode_tokens()[1]
         return self._positions
 
     @property
     def token_ids(self) -> np.ndarray:
         """int64 [B, S] (-1 when the model was fed embeddings)."""
         if self._token_ids is None:
-            self._token_ids = np.frombuffer(self._rows[1][1], dtype=np.int64).reshape(3, self.batch, 1)[2]
+            self._token_ids = self._decode_tokens()[2]
         return self._token_ids
+
+    def _decode_tokens(self) -> np.ndarray:
+        """[3, B, 1] (seq ids, positions, token ids) of a fast-path decode step, from its row bytes."""
+        return np.frombuffer(self._rows[1][1], dtype=np.int64).reshape(3, self.batch, 1)
 
     def rows(self, seq_len: int) -> tuple[np.ndarray | None, bytes, int]:
         """(flat row index or None for "all rows", tokens int64 [3, n] as bytes, n).
