@@ -60,6 +60,15 @@ def _check_call(input_ids: torch.Tensor, max_new_tokens: int, streamer: object) 
         raise ValueError("a streamer needs batch size 1 (as in transformers)")
 
 
+def _feature_sites(drafter: object) -> list[str]:
+    """The probe sites a drafter reads: EAGLE-3's three `resid_pre` layers, a drafter's own `sites`, or none."""
+    if drafter is None:
+        return []
+    if hasattr(drafter, "sites"):
+        return list(drafter.sites)
+    return [f"layers.{i}.resid_pre" for i in drafter.config.aux_layer_ids]
+
+
 def _eos_list(eos: int | list[int] | None) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
@@ -98,19 +107,28 @@ class SpeculativeDecoder:
         self._valid_off = torch.zeros(1, 1, dtype=torch.bool)
         self.session = None
         self.feeder: Feeder | None = None
-        if self.eagle is not None:
-            ids = self.eagle.config.aux_layer_ids
-            self.session = probe.attach(target, [f"layers.{i}.resid_pre" for i in ids], endpoint=endpoint)
+        self._sites = _feature_sites(self.eagle)
+        if self.eagle is not None and hasattr(self.eagle, "check_target"):
+            self.eagle.check_target(target)
+        if self._sites:
+            self.session = probe.attach(target, self._sites, endpoint=endpoint)
             if isinstance(self.eagle, Eagle3Drafter):
                 self.feeder = EagleFeeder(self.eagle, self.session.endpoint)
-            else:  # a Feeder elsewhere (RemoteEagle): it subscribes from its own process
+            else:  # a Feeder of its own (RemoteEagle in another process, Medusa heads): it subscribes itself
                 self.feeder = self.eagle
                 self.feeder.connect(self.session.endpoint)
             self.session.wait_for_subscribers(1)
+        elif self.eagle is not None:  # a drafter that reads token ids only (a draft model, layer skip)
+            if endpoint is not None:
+                raise ValueError(f"endpoint={endpoint!r}: this drafter reads no features, so no probe session runs")
+            self.feeder = self.eagle
+        getter = getattr(self.feeder.drafter if isinstance(self.feeder, EagleFeeder) else self.feeder,
+                         "draft_to_target_ids", None)
+        self._d2t = getter() if getter is not None else None
 
     @property
     def endpoint(self) -> str | None:
-        """The probe session's endpoint (watch it with `probebus top`), or None without EAGLE-3."""
+        """The probe session's endpoint (watch it with `probebus top`), or None without a feature-fed drafter."""
         return self.session.endpoint if self.session is not None else None
 
     @property
@@ -124,6 +142,8 @@ class SpeculativeDecoder:
             self.feeder.close()  # first: the session then has no one to wait for at its end of stream
             self.session.close()
             self.session = None
+        elif self.feeder is not None:
+            self.feeder.close()
 
     def __enter__(self) -> SpeculativeDecoder:
         return self
@@ -242,7 +262,7 @@ class SpeculativeDecoder:
         run.stats.emitted = run.b
         if self.feeder is not None and self._capturing:
             lens = torch.tensor(run.lens)
-            run.feeds.append((self.session.step, torch.zeros_like(lens), lens - 1))
+            run.feeds.append((self.session.step if self.session is not None else 0, torch.zeros_like(lens), lens - 1))
         if run.ngram is not None:
             for r, t in enumerate(first):
                 run.ngram[r].extend([t])
@@ -337,7 +357,7 @@ class SpeculativeDecoder:
             n_acc, nxt = verify_greedy_rows(tokens, k_rows, logits)
         else:
             p = target_probs(logits, run.temperature, run.top_k, run.top_p)
-            d2t = self.eagle.draft_to_target_ids().to(dev) if drafts.q is not None else None
+            d2t = self._d2t.to(dev) if drafts.q is not None else None
             q = drafts.q.to(dev) if drafts.q is not None else None
             ids = drafts.ids.to(dev) if drafts.ids is not None else None
             n_acc, nxt = verify_rows(tokens, k_rows, p, q, ids, d2t, torch.tensor(drafts.sampled or [False] * run.b,
@@ -451,7 +471,7 @@ class SpeculativeDecoder:
         EAGLE-3 rests for several rounds. Without session.add/remove, forwards publish nothing instead."""
         if on == self._capturing:
             return
-        sites = [f"layers.{i}.resid_pre" for i in self.eagle.config.aux_layer_ids]
+        sites = self._sites
         if hasattr(self.session, "remove"):
             t0 = time.perf_counter()
             (self.session.add if on else self.session.remove)(sites)

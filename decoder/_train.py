@@ -45,14 +45,19 @@ class TrainConfig:
 
 
 def load_sequences(recording: str | Path, aux_layer_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """[(tokens [T], features [T, 3H])] per recorded (run, seq_id), ordered by position."""
+    """[(tokens [T], features [T, 3H])] per recorded (run, seq_id), ordered by position: EAGLE-3's inputs."""
+    return load_site_sequences(recording, [f"layers.{i}.resid_pre" for i in aux_layer_ids])
+
+
+def load_site_sequences(recording: str | Path, sites: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(tokens [T], features [T, len(sites) * H])] per recorded (run, seq_id), ordered by position; the sites'
+    features concatenated in the order given. Sequences with a gap (dropped captures) are skipped."""
     from exporters import activations  # decoder -> exporters: the reader is the exporters' job
 
-    parts = [activations(recording, site=f"layers.{i}.resid_pre") for i in aux_layer_ids]
+    parts = [activations(recording, site=s) for s in sites]
     first = parts[0]
     if len(first) == 0:
-        raise ValueError(f"{recording} has no rows for layers.{aux_layer_ids[0]}.resid_pre; record the feature "
-                         f"sites {[f'layers.{i}.resid_pre' for i in aux_layer_ids]}")
+        raise ValueError(f"{recording} has no rows for {sites[0]}; record the feature sites {sites}")
     keys = []
     for a in parts:
         runs = np.unique(np.array(a.run), return_inverse=True)[1]

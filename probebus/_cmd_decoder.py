@@ -34,13 +34,16 @@ def _common(p: argparse.ArgumentParser) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text, optionally with speculative decoding",
                        description="Generate from a model with a drafter: default (the EAGLE-3 head shipped with the "
-                       "model), PATH (an EAGLE-3 folder in either public layout), ngram (prompt lookup), auto (EAGLE-3 "
-                       "and n-gram) or none. A scheduler picks per round and row the method and draft length from "
+                       "model), medusa (Medusa heads), draft-model (a separate small model), layer-skip (the "
+                       "model's own first layers), ngram (prompt lookup), auto (EAGLE-3 and n-gram), none, or PATH "
+                       "(a drafter folder: EAGLE-3 in either public layout, Medusa, a causal LM, a layer-skip "
+                       "measurement). A scheduler picks per round and row the method and draft length from "
                        "measured costs and acceptance estimates, and takes plain steps when nothing pays. Greedy "
                        "output equals plain decoding; sampling follows the target's distribution exactly.")
     _common(p)
     p.add_argument("--drafter", default="default",
-                   help="default | PATH | ngram | auto | none (default: %(default)s)")
+                   help="default | eagle3 | medusa | draft-model | layer-skip | ngram | auto | none | PATH "
+                   "(default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts", metavar="FILE", help="JSON Lines with a 'prompt' field (or a text file: one "
@@ -66,12 +69,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "of using the cached one")
     p.set_defaults(func=_cmd_generate)
 
-    t = sub.add_parser("train-drafter", help="train an EAGLE-3 drafter from a recording",
-                       description="Train an EAGLE-3 head from an Arrow recording made with `probebus record` "
-                       "(resid_pre of the feature layers; see `probebus sites MODEL`). Resumes from OUT if a "
-                       "training state is there. Holds out some sequences and reports acceptance by draft position "
-                       "on them.")
+    t = sub.add_parser("train-drafter", help="train a drafter (EAGLE-3, Medusa, layer skip) from a recording",
+                       description="Train a drafter from an Arrow recording made with `probebus record`: --method "
+                       "eagle3 (record resid_pre of the feature layers; see `probebus sites MODEL`), medusa (record "
+                       "final_norm), layer-skip (any site: only the token ids are read; measures which early exit "
+                       "pays on this machine). Resumes from OUT if a training state is there. Holds out some "
+                       "sequences and reports acceptance by draft position on them.")
     _common(t)
+    t.add_argument("--method", default="eagle3", choices=("eagle3", "medusa", "layer-skip"),
+                   help="which drafter to train (default: %(default)s)")
+    t.add_argument("--heads", type=int, default=4, help="medusa: number of heads (default: %(default)s)")
     t.add_argument("--recording", required=True, metavar="DIR", help="folder written by probebus record")
     t.add_argument("--out", required=True, metavar="DIR", help="where the drafter (speculators layout) is written")
     t.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: %(default)s)")
@@ -137,7 +144,7 @@ def load_target(args: argparse.Namespace, need_tokenizer: bool = True):  # noqa:
 def make_decoder(model: torch.nn.Module, drafter: str, k: int, *, fixed: bool = False, endpoint: str | None = None,
                  refresh_cost: bool = False):  # noqa: ANN201 - a SpeculativeDecoder
     """The decoder for a --drafter value; raises DrafterError for a bad drafter."""
-    from decoder import CostModel, NgramDrafter, SpeculativeDecoder, load_drafter
+    from decoder import CostModel, NgramDrafter, SpeculativeDecoder, load_drafter, load_named_drafter
 
     schedule = "fixed" if fixed else "auto"
     if drafter == "none":
@@ -153,8 +160,11 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int, *, fixed: bool = 
             raise UsageError("--fixed drafts with one method; give --drafter default, PATH or ngram")
         return SpeculativeDecoder(model, "auto", eagle=load_drafter("default", model), k=k, endpoint=endpoint,
                                   cost=cost)
-    return SpeculativeDecoder(model, load_drafter(drafter, model), k=k, schedule=schedule, endpoint=endpoint,
-                              cost=cost)
+    loaded = load_named_drafter(drafter, model)
+    if endpoint is not None and getattr(loaded, "sites", None) == []:
+        raise UsageError(f"--endpoint: --drafter {drafter} reads token ids only, so no probe session runs; use "
+                         "--drafter default, medusa or auto to get one")
+    return SpeculativeDecoder(model, loaded, k=k, schedule=schedule, endpoint=endpoint, cost=cost)
 
 
 def _check_generate(args: argparse.Namespace) -> None:
@@ -276,6 +286,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return _fail("train-drafter", exc)
     for p in model.parameters():
         p.requires_grad_(False)
+    if args.method != "eagle3":
+        return _train_other(args, model, rec)
     cfg = TrainConfig(steps=args.steps, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, window=args.window,
                       batch=args.batch, lr=args.lr, holdout=args.holdout)
     try:
@@ -290,6 +302,34 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"held-out acceptance by draft position ({held['sequences']} sequences): "
               f"{[round(a, 3) for a in held['acceptance']]}, tau {held['tau']}", file=sys.stderr)
     print(f"drafter written to {args.out} (speculators layout); try: probebus generate --model {args.model} "
+          f"--drafter {args.out} --prompt '...'", file=sys.stderr)
+    return 0
+
+
+def _train_other(args: argparse.Namespace, model: torch.nn.Module, rec) -> int:  # noqa: ANN001
+    """--method medusa | layer-skip."""
+    from decoder import HeadsTrainConfig, fit_layer_skip, load_site_sequences, train_medusa
+    from exporters import read_recording
+
+    try:
+        if args.method == "medusa":
+            if args.heads < 1:
+                raise UsageError(f"--heads must be >= 1, got {args.heads}")
+            cfg = HeadsTrainConfig(heads=args.heads, steps=args.steps, lr=args.lr, holdout=args.holdout)
+            metrics = train_medusa(model, rec, args.out, cfg, resume=not args.no_resume, target_name=args.model,
+                                   progress=sys.stderr.isatty())
+        else:
+            sites = read_recording(rec).sites
+            if not sites:
+                raise UsageError(f"--recording {rec} holds no captures")
+            seqs = [t for t, _ in load_site_sequences(rec, sites[:1])][:64]
+            metrics = fit_layer_skip(model, seqs, args.out)
+    except UsageError as exc:
+        return _fail("train-drafter", exc)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        return _fail("train-drafter", f"{rec}: {exc}" if str(rec) not in str(exc) else exc)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "table"}))
+    print(f"{args.method} drafter written to {args.out}; try: probebus generate --model {args.model} "
           f"--drafter {args.out} --prompt '...'", file=sys.stderr)
     return 0
 

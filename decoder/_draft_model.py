@@ -1,0 +1,158 @@
+"""Draft with a whole causal LM: a separate small model, or the target's own first layers (layer skip).
+
+    spec = SpeculativeDecoder(target, DraftModelDrafter(small_lm), k=5)          # assisted generation
+    spec = SpeculativeDecoder(target, LayerSkipDrafter(target, layers=3), k=5)   # self-speculative early exit
+
+Both are `Feeder`s without feature sites: they need the committed token ids only, so no probe
+session is attached for them. The drafter keeps its own KV cache with the loop's layout
+(explicit positions, one shared column per fed token, masked-out holes where a row fed
+less), so rows at different lengths draft together. Per round it feeds what was committed
+since it last ran (the accepted drafts and the bonus token) in one forward, drafts one
+token per further forward, then drops the drafted tokens from its cache: the next round
+feeds back only those the target accepted.
+
+Layer skip runs the target's first `layers` decoder layers, then the target's own final
+norm and head (early exit; the modules are shared, not copied).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from ._chain import draft_chain
+from ._feeder import Drafts, Feed
+from ._sched import DraftPlan
+
+
+class DraftModelDrafter:
+    """A causal LM that shares the target's tokenizer drafts for it (transformers' assisted generation,
+    scheduled and verified by the probebus loop)."""
+
+    sites: list[str] = []  # reads no features off the bus
+    name = "draft-model"
+
+    def __init__(self, model: nn.Module, *, name: str | None = None) -> None:
+        self.model = model.eval()
+        self.vocab = int(model.config.vocab_size)
+        self.name = name or self.name
+        self.source = getattr(model.config, "_name_or_path", "")
+
+    # --- the Feeder protocol --------------------------------------------------------------
+    def connect(self, endpoint: str) -> None:  # no features to subscribe to
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def draft_to_target_ids(self) -> torch.Tensor:
+        return torch.arange(self.vocab)
+
+    def check_target(self, target: nn.Module) -> None:
+        """A draft model must speak the target's vocabulary (ids are compared, not strings)."""
+        if self.vocab != target.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({self.vocab}) differs from the target's "
+                             f"({target.config.vocab_size}): a draft model must share the target's tokenizer")
+
+    def prepare(self, batch: int, max_len: int) -> None:
+        self.device = next(self.model.parameters()).device
+        self.cache = DynamicCache()
+        self.mask = torch.zeros(batch, 2 * max_len + 16, dtype=torch.long, device=self.device)
+        self.cols = 0  # cache columns in use
+        self.fed = [0] * batch  # per row: positions 0..fed-1 are in the cache
+        self.last: list[int] | None = None  # per row: the newest committed position (its token is known)
+
+    @torch.no_grad()
+    def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,
+              plan: DraftPlan | None = None) -> Drafts:
+        t0 = time.perf_counter()
+        b = toks.shape[0]
+        if feeds:
+            self.last = [min(e + 1, toks.shape[1] - 1) for e in feeds[-1][2].tolist()]
+        if k == 0:
+            return Drafts.empty(b)
+        if self.last is None:
+            raise RuntimeError("draft() before any tokens were committed: nothing to draft from")
+        logits = self._catch_up(toks)
+        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        base = torch.tensor(self.last, device=self.device)[:, None]
+        start_cols = self.cols
+        tokens, conf, q = draft_chain(logits, lambda tok, i: self._forward(tok[:, None], base + 1 + i)[:, -1],
+                                      k, temperature, gen, plan)
+        self._drop(start_cols)  # drafted tokens leave the cache; accepted ones come back next round
+        return Drafts(tokens.cpu(), tokens, conf, q, 0.0, time.perf_counter() - t0)
+
+    # --- the cache ---------------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        n = ids.shape[1]
+        if self.cols + n > self.mask.shape[1]:  # holes piled up: grow the mask
+            grown = torch.zeros(self.mask.shape[0], 2 * self.mask.shape[1] + n, dtype=torch.long, device=self.device)
+            grown[:, : self.cols] = self.mask[:, : self.cols]
+            self.mask = grown
+        self.mask[:, self.cols: self.cols + n] = 1 if valid is None else valid.long()
+        self.cols += n
+        return self.model(ids.to(self.device), attention_mask=self.mask[:, : self.cols], position_ids=positions,
+                          cache=self.cache, use_cache=True).logits
+
+    def _drop(self, cols: int) -> None:
+        if self.cols > cols:
+            self.cache.crop(cols - self.cols)  # transformers 5: crop(-n) removes the last n tokens
+            self.mask[:, cols: self.cols] = 0
+            self.cols = cols
+
+    def _catch_up(self, toks: torch.Tensor) -> torch.Tensor:
+        """Feed every row's committed tokens not yet in the cache; the logits after each row's newest one [B, V].
+        A row with nothing new (a finished row) feeds a masked-out slot and gets logits nobody reads."""
+        b = toks.shape[0]
+        n = [last + 1 - fed for last, fed in zip(self.last, self.fed, strict=True)]
+        width = max(max(n), 1)
+        start = torch.tensor(self.fed)
+        pos = start[:, None] + torch.arange(width)
+        ids = toks[torch.arange(b)[:, None], pos.clamp(max=toks.shape[1] - 1)]
+        valid = torch.arange(width)[None, :] < torch.tensor(n)[:, None]
+        logits = self._forward(ids, pos.to(self.device), valid.to(self.device))
+        self.fed = [max(fed, last + 1) for fed, last in zip(self.fed, self.last, strict=True)]
+        return logits[torch.arange(b), (torch.tensor(n) - 1).clamp(min=0)]
+
+
+def early_exit_view(target: nn.Module, layers: int) -> nn.Module:
+    """The target's first `layers` decoder layers with its final norm and head, as a causal LM of its own.
+
+    Shares every module and weight with the target (nothing is copied); only the module tree and the
+    config's layer count differ. Works for models whose decoder keeps its layers in `model.layers`
+    (Llama, Mistral, Qwen2/3 and most current decoders)."""
+    inner = getattr(target, "model", None)
+    blocks = getattr(inner, "layers", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"layer skip needs a decoder with `model.layers` (Llama-style); {type(target).__name__} "
+                         "has none: use a draft model or EAGLE-3 instead")
+    n = len(blocks)
+    if not 1 <= layers < n:
+        raise ValueError(f"layer skip drafts with 1..{n - 1} of the target's {n} layers, got {layers}")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:layers]
+    view_inner = copy.copy(inner)
+    view_inner._modules = dict(inner._modules)
+    view_inner._modules["layers"] = nn.ModuleList(list(blocks[:layers]))
+    view_inner.config = config
+    view = copy.copy(target)
+    view._modules = dict(target._modules)
+    view._modules["model"] = view_inner
+    view.config = config
+    return view
+
+
+class LayerSkipDrafter(DraftModelDrafter):
+    """Self-speculative decoding: the target drafts with its first `layers` layers (early exit)."""
+
+    name = "layer-skip"
+
+    def __init__(self, target: nn.Module, layers: int) -> None:
+        super().__init__(early_exit_view(target, layers), name="layer-skip")
+        self.layers = layers

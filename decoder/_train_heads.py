@@ -1,0 +1,149 @@
+"""Train Medusa heads from an Arrow recording of the target's `final_norm` (its own generations).
+
+    probebus record --model default --prompts train.jsonl --sites final_norm --out rec/
+    probebus train-drafter --method medusa --model default --recording rec/ --out medusa/
+
+Each recorded sequence gives h_t (the normed last hidden state) and tokens x_t; head i learns
+h_t -> x_{t+2+i}. Losses are weighted `decay**i` (the further head matters only when every nearer
+one was right). A share of the sequences is held out; acceptance by draft position there is the
+share of positions whose first i+1 head guesses all equal the recorded tokens (the target's
+greedy continuation, when the recording is its own greedy output). Resumable: the state is
+saved to OUT/train_state.pt every `save_every` steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._medusa import MedusaConfig, MedusaHeads, save_medusa
+from ._train import load_site_sequences
+
+
+@dataclass
+class HeadsTrainConfig:
+    heads: int = 4
+    layers: int = 1
+    steps: int = 1200
+    lr: float = 3e-3
+    warmup: int = 50
+    batch: int = 512  # positions per step
+    decay: float = 0.8
+    seed: int = 0
+    save_every: int = 200
+    holdout: float = 0.05
+
+
+def _targets(seqs: list[tuple[torch.Tensor, torch.Tensor]], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All positions: (features [N, H], targets [N, heads]) with -100 past a sequence's end."""
+    feats, tgts = [], []
+    for toks, f in seqs:
+        n = len(toks)
+        t = torch.full((n, heads), -100, dtype=torch.long)
+        for i in range(heads):
+            if n > 2 + i:
+                t[: n - 2 - i, i] = toks[2 + i:]
+        feats.append(f)
+        tgts.append(t)
+    return torch.cat(feats), torch.cat(tgts)
+
+
+@torch.no_grad()
+def heads_acceptance(heads: MedusaHeads, feats: torch.Tensor, tgts: torch.Tensor) -> dict:
+    """Share of positions whose first i+1 head guesses all match (chain acceptance by draft position)."""
+    alive = torch.ones(len(feats), dtype=torch.bool)
+    acc = []
+    guesses = torch.cat([heads(feats[lo: lo + 4096]).argmax(-1) for lo in range(0, len(feats), 4096)])
+    for i in range(tgts.shape[1]):
+        ok = tgts[:, i] != -100
+        alive &= (guesses[:, i] == tgts[:, i]) & ok
+        acc.append(float(alive[ok].float().mean()) if ok.any() else 0.0)
+    return {"positions": len(feats), "acceptance": [round(a, 4) for a in acc], "tau": round(1 + sum(acc), 3)}
+
+
+def train_medusa(target: nn.Module, recording: str | Path, out: str | Path, cfg: HeadsTrainConfig | None = None, *,
+                 resume: bool = True, progress: bool = True, target_name: str = "") -> dict:
+    """Train and save (public Medusa layout, shared output head) Medusa heads for `target`; returns metrics."""
+    cfg = cfg or HeadsTrainConfig()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    seqs = [s for s in load_site_sequences(recording, ["final_norm"]) if len(s[0]) >= cfg.heads + 3]
+    if not seqs:
+        raise ValueError(f"{recording}: no complete sequence of at least {cfg.heads + 3} tokens with final_norm")
+    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    n_hold = int(len(seqs) * cfg.holdout) if len(seqs) >= 4 else 0
+    held = [seqs[i] for i in order[:n_hold]]
+    train = [seqs[i] for i in sorted(order[n_hold:])]
+    feats, tgts = _targets(train, cfg.heads)
+    tc = target.config
+    heads = MedusaHeads(MedusaConfig(hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
+                                     medusa_num_heads=cfg.heads, medusa_num_layers=cfg.layers,
+                                     base_model_name_or_path=target_name)).bind_target(target)
+    weights = torch.tensor([cfg.decay ** i for i in range(cfg.heads)])
+    opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=0.0)
+    state_file = out / "train_state.pt"
+    start = 0
+    if resume and state_file.is_file():
+        state = torch.load(state_file, weights_only=True)
+        heads.load_state_dict(state["heads"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    gen = torch.Generator().manual_seed(cfg.seed + start)
+    metrics: dict = {"sequences": len(train), "heldout_sequences": len(held), "positions": len(feats),
+                     "resumed_from": start}
+    bar = _Bar(cfg.steps, start) if progress else None
+    t0 = time.perf_counter()
+    for step in range(start, cfg.steps):
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = torch.randint(len(feats), (cfg.batch,), generator=gen)
+        logits = heads(feats[idx].float())  # [N, K, V]
+        t = tgts[idx]
+        losses = torch.stack([F.cross_entropy(logits[:, i], t[:, i], ignore_index=-100) for i in range(cfg.heads)])
+        loss = (weights * losses).sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            ok = t != -100
+            acc = ((logits.argmax(-1) == t) & ok).sum(0) / ok.sum(0).clamp(min=1)
+        metrics.update(step=step + 1, loss=float(loss.detach()), acc=[round(float(a), 3) for a in acc])
+        if bar:
+            bar.update(step + 1, metrics["loss"], metrics["acc"])
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                        "config": asdict(cfg)}, state_file)
+    if bar:
+        bar.close()
+    metrics["seconds"] = time.perf_counter() - t0
+    heads.eval()
+    if held:
+        metrics["heldout"] = heads_acceptance(heads, *_targets(held, cfg.heads))
+    save_medusa(heads, out, base=target_name)
+    return metrics
+
+
+class _Bar:
+    """A rich progress bar with the loss and each head's top-1 accuracy."""
+
+    def __init__(self, total: int, done: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.p = Progress(TextColumn("train-medusa"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                          TextColumn("{task.fields[info]}"))
+        self.task = self.p.add_task("train", total=total, completed=done, info="")
+        self.p.start()
+
+    def update(self, step: int, loss: float, accs: list[float]) -> None:
+        self.p.update(self.task, completed=step, info=f"loss {loss:.3f} acc/head {' '.join(f'{a:.2f}' for a in accs)}")
+
+    def close(self) -> None:
+        self.p.stop()

@@ -1,0 +1,217 @@
+"""Every drafting method in the same loop (a draft model, layer skip, Medusa heads; EAGLE-3 and n-gram too for the
+sampling check): greedy output equals plain `generate`; sampled output follows the target's distribution
+(chi-square over many rows), and a deliberately biased verification rule fails the same test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from models import PAD, build, left_padded
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import decoder._loop as loop
+import exporters
+import probe
+from decoder import (
+    DrafterError,
+    DraftModelDrafter,
+    Eagle3Config,
+    Eagle3Drafter,
+    HeadsTrainConfig,
+    LayerSkipDrafter,
+    MedusaConfig,
+    MedusaFeeder,
+    MedusaHeads,
+    NgramDrafter,
+    SpeculativeDecoder,
+    fit_layer_skip,
+    load_medusa,
+    load_named_drafter,
+    save_medusa,
+    train_medusa,
+    verify_rows,
+)
+
+PROMPTS = [[5, 17, 33, 9, 40, 41], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 8]]
+
+
+def _methods(model: torch.nn.Module) -> dict[str, object]:
+    torch.manual_seed(4)
+    heads = MedusaHeads(MedusaConfig(model.config.hidden_size, model.config.vocab_size, 3))
+    for block in heads.heads:  # random (not zero) residual blocks: heads that disagree with the target
+        torch.nn.init.normal_(block[0].linear.weight, std=0.3)
+    return {"draft-model": DraftModelDrafter(build("llama", seed=1, layers=2)),
+            "layer-skip": LayerSkipDrafter(model, 5),
+            "medusa": MedusaFeeder(heads.bind_target(model))}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equals_generate_for_every_method(batch: int) -> None:
+    model = build("llama", layers=8)
+    ids, mask = left_padded(PROMPTS[:batch])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                              eos_token_id=None, pad_token_id=PAD)
+    for name, drafter in _methods(model).items():
+        for schedule in ("fixed", "auto"):
+            with SpeculativeDecoder(model, drafter, k=4, schedule=schedule) as spec:
+                out = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
+            assert torch.equal(out.sequences, want), (name, schedule)
+            assert out.stats.emitted == 24 * batch
+            if schedule == "fixed":
+                assert out.stats.drafted > 0, name
+
+
+def test_the_target_as_its_own_draft_model_has_every_draft_accepted() -> None:
+    """A draft model identical to the target proposes the target's own greedy tokens: with its cache kept right
+    (ragged rows, drafted tokens dropped and re-fed) every draft is accepted, k + 1 tokens per round."""
+    model = build("llama", layers=4)
+    ids, mask = left_padded(PROMPTS)
+    with SpeculativeDecoder(model, DraftModelDrafter(model), k=4, schedule="fixed") as spec:
+        out = spec.generate(ids, mask, max_new_tokens=21, pad_token_id=PAD)
+    assert out.stats.accepted == out.stats.drafted > 0
+    assert out.stats.tau == 5.0 and out.stats.target_forwards == 1 + 4
+
+
+# --- sampling: a target with 8 tokens, many rows, exact distribution by enumeration ----------------------------------
+V = 8
+ROWS = 6000
+T = 0.7
+
+
+def _tiny(seed: int, layers: int = 4) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
+                      tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(6.0)  # peaked distributions: drafts are accepted and rejected often enough
+    return m
+
+
+@torch.no_grad()
+def _exact_pair(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """P(t2, t3) of the sampled continuation (t1 summed out), [V, V], by enumerating every prefix."""
+    pr = torch.tensor(prompt)
+    p1 = (model(pr[None]).logits[0, -1] / T).softmax(-1)
+    x2 = torch.cat([pr.expand(V, -1), torch.arange(V)[:, None]], 1)
+    p2 = (model(x2).logits[:, -1] / T).softmax(-1)  # [t1, t2]
+    x3 = torch.cat([x2.repeat_interleave(V, 0), torch.arange(V).repeat(V)[:, None]], 1)
+    p3 = (model(x3).logits[:, -1] / T).softmax(-1).view(V, V, V)  # [t1, t2, t3]
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0).double()
+
+
+def _p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square; cells expected below 5 are pooled into one."""
+    n = counts.sum()
+    exp = probs.flatten() * n
+    obs = counts.flatten().double()
+    small = exp < 5
+    exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    obs = torch.cat([obs[~small], obs[small].sum()[None]])
+    chi2 = ((obs - exp) ** 2 / exp.clamp_min(1e-12)).sum()
+    dof = len(exp) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2 / 2))
+
+
+def _sample_pairs(model: torch.nn.Module, drafter: object, prompt: list[int], seed: int) -> tuple[torch.Tensor, object]:
+    ids = torch.tensor(prompt).expand(ROWS, -1).contiguous()
+    with SpeculativeDecoder(model, drafter, k=2, schedule="fixed") as spec:
+        out = spec.generate(ids, max_new_tokens=3, temperature=T, seed=seed)
+    t2, t3 = out.sequences[:, len(prompt) + 1], out.sequences[:, len(prompt) + 2]
+    return torch.bincount(t2 * V + t3, minlength=V * V).view(V, V), out.stats
+
+
+def _biased_verify_rows(drafts, k_rows, p, q_draft, draft_ids, d2t_ids, sampled, generator=None):  # noqa: ANN001, ANN202
+    """A classic bug: the right acceptance test, but a rejected draft is replaced by a draw from p instead of
+    from the residual max(p - q, 0), which over-weights the tokens the drafter proposes."""
+    n, nxt = verify_rows(drafts, k_rows, p, q_draft, draft_ids, d2t_ids, sampled, generator)
+    rows = torch.arange(len(n), device=n.device)
+    redraw = torch.multinomial(p[rows, n], 1, generator=generator).squeeze(-1)
+    return n, torch.where(n < k_rows, redraw, nxt)
+
+
+@pytest.mark.parametrize("method", ["draft-model", "layer-skip", "medusa", "eagle3", "ngram"])
+def test_sampling_follows_the_target_and_a_biased_rule_fails(method: str, monkeypatch) -> None:  # noqa: ANN001
+    model = _tiny(0, layers=6)
+    torch.manual_seed(9)
+    heads = MedusaHeads(MedusaConfig(32, V, 2))
+    for block in heads.heads:
+        torch.nn.init.normal_(block[0].linear.weight, std=0.5)
+    drafter = {"draft-model": lambda: DraftModelDrafter(_tiny(1, layers=1)),
+               "layer-skip": lambda: LayerSkipDrafter(model, 1),
+               "medusa": lambda: MedusaFeeder(heads.bind_target(model)),
+               "eagle3": lambda: Eagle3Drafter(Eagle3Config.for_target(model.config, aux_layer_ids=[1, 2, 3]))
+               .bind_target(model),
+               "ngram": lambda: NgramDrafter()}[method]()
+    prompt = [1, 2, 3, 1, 2]  # n-gram drafts "3 1" from the prompt
+    exact = _exact_pair(model, prompt)
+    counts, stats = _sample_pairs(model, drafter, prompt, seed=1)
+    assert 0 < stats.accepted < stats.drafted, "the test must see drafts both accepted and rejected"
+    assert _p_value(counts, exact) > 1e-3
+    monkeypatch.setattr(loop, "verify_rows", _biased_verify_rows)
+    biased, _ = _sample_pairs(model, drafter, prompt, seed=1)
+    assert _p_value(biased, exact) < 1e-6, "the chi-square test has no power against a biased rule"
+
+
+# --- checkpoints, training, selection ------------------------------------------------------------------------------
+def test_medusa_public_layout_round_trip_and_clear_errors(tmp_path: Path) -> None:
+    model = build("llama", layers=3)
+    torch.manual_seed(0)
+    own = MedusaHeads(MedusaConfig(64, 128, 2, shared_lm_head=False))  # per-head vocabulary projections
+    save_medusa(own, tmp_path / "own")
+    keys = set(__import__("safetensors.torch").torch.load_file(str(tmp_path / "own" / "medusa_lm_head.safetensors")))
+    assert {"0.0.linear.weight", "0.0.linear.bias", "0.1.weight", "1.1.weight"} <= keys  # FasterDecoding's names
+    back = load_medusa(tmp_path / "own", model)
+    h = torch.randn(5, 64)
+    torch.testing.assert_close(back(h), own(h))
+    assert isinstance(load_named_drafter(str(tmp_path / "own"), model), MedusaFeeder)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({"medusa_num_heads": 3}))
+    with pytest.raises(DrafterError, match="no medusa_lm_head.safetensors"):
+        load_named_drafter(str(tmp_path / "bad"), model)
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({"something": 1}))
+    with pytest.raises(DrafterError, match="names no drafting method"):
+        load_named_drafter(str(tmp_path / "bad"), model)
+    with pytest.raises(DrafterError, match="no medusa drafter ships with the target"):
+        load_named_drafter("medusa", model)
+    small = build("llama", layers=2)
+    small.config.vocab_size = 64
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        SpeculativeDecoder(model, DraftModelDrafter(small))
+
+
+def test_train_medusa_from_a_recording_resumes_and_loads(tmp_path: Path) -> None:
+    model = build("llama", layers=3)
+    gen = torch.Generator().manual_seed(0)
+    with probe.attach(model, ["final_norm"]) as session, exporters.ArrowRecorder(session, tmp_path / "rec"):
+        for _ in range(3):
+            ids = torch.randint(3, 128, (4, 12), generator=gen)
+            model.generate(input_ids=ids, max_new_tokens=20, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    cfg = HeadsTrainConfig(heads=3, steps=30, batch=64, save_every=15, holdout=0.25)
+    first = train_medusa(model, tmp_path / "rec", tmp_path / "m", cfg, progress=False)
+    assert first["step"] == 30 and first["heldout"]["positions"] > 0 and len(first["acc"]) == 3
+    again = train_medusa(model, tmp_path / "rec", tmp_path / "m", cfg, progress=False)  # nothing left to do
+    assert again["resumed_from"] == 30
+    heads = load_medusa(tmp_path / "m", model)
+    ids, mask = left_padded(PROMPTS)
+    want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                          eos_token_id=None, pad_token_id=PAD)
+    with SpeculativeDecoder(model, MedusaFeeder(heads), k=3) as spec:
+        assert torch.equal(spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD).sequences, want)
+
+
+def test_layer_skip_is_chosen_from_a_measurement(tmp_path: Path) -> None:
+    model = build("llama", layers=4)
+    seqs = [torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    result = fit_layer_skip(model, seqs, tmp_path / "ls", k_max=3, reps=2)
+    assert 1 <= result["layers"] <= 3 and 1 <= result["k"] <= 3
+    assert [r["layers"] for r in result["table"]] == [1, 2, 3]
+    drafter = load_named_drafter(str(tmp_path / "ls"), model)
+    assert isinstance(drafter, LayerSkipDrafter) and drafter.layers == result["layers"]
+    with pytest.raises(DrafterError, match="measured on a 4-layer target"):
+        load_named_drafter(str(tmp_path / "ls"), build("llama", layers=6))
