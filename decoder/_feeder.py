@@ -44,7 +44,16 @@ class Drafts:
         return cls(z, z, torch.zeros(batch, 0), None, bus_s, 0.0)
 
 
-Feed = tuple[int, torch.Tensor, torch.Tensor]
+Feed = tuple  # (step, start [B], end [B]) or, after a tree round, (step, start, end, (base, real positions))
+
+
+def tree_positions(positions: torch.Tensor, remap: tuple[int, torch.Tensor] | None) -> torch.Tensor:
+    """Real positions of a forward's captures. A tree forward labels node j with position base + j (nodes at the
+    same depth share a real position); `real[j]` is node j's real position on the accepted path, -1 off it."""
+    if remap is None:
+        return positions
+    base, real = remap
+    return real[(positions - base).clamp(0, len(real) - 1)]
 
 
 class Feeder(Protocol):
@@ -95,12 +104,14 @@ class EagleFeeder:
     def _collect(self, feeds: list[Feed]) -> None:
         if self.sub is None:
             raise RuntimeError("the drafter is not connected to a probe session (connect(endpoint) first)")
-        for step, start, end in feeds:
-            self._collect_step(step, start, end)
+        for feed in feeds:
+            step, start, end = feed[:3]
+            self._collect_step(step, start, end, feed[3] if len(feed) > 3 else None)
             self.lo = start.clone() if self.lo is None else torch.minimum(self.lo, start)
             self.hi = end.clone()
 
-    def _collect_step(self, step: int, start: torch.Tensor, end: torch.Tensor) -> None:
+    def _collect_step(self, step: int, start: torch.Tensor, end: torch.Tensor,
+                      remap: tuple[int, torch.Tensor] | None = None) -> None:
         h = self.drafter.config.target_hidden_size
         got: set[str] = set()
         while len(got) < 3:
@@ -116,10 +127,11 @@ class EagleFeeder:
             if self.seq_base is None:
                 self.seq_base = int(cap.seq_ids.min())
             r = cap.seq_ids - self.seq_base
-            keep = (cap.positions >= start[r]) & (cap.positions <= end[r])
+            pos = tree_positions(cap.positions, remap)
+            keep = (pos >= start[r]) & (pos <= end[r])
             i = self._slot[cap.site]
             src = cap.tensor[keep]
-            self.feats[r[keep], cap.positions[keep], i * h:(i + 1) * h] = src.to(self.feats.dtype)
+            self.feats[r[keep], pos[keep], i * h:(i + 1) * h] = src.to(self.feats.dtype)
 
     @torch.no_grad()
     def _catch_up(self, toks: torch.Tensor) -> None:
@@ -145,20 +157,27 @@ class EagleFeeder:
         self.ready = True
 
     # --- drafts out --------------------------------------------------------------------
-    @torch.no_grad()
-    def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,
-              plan: DraftPlan | None = None) -> Drafts:
+    def absorb(self, feeds: list[Feed], toks: torch.Tensor, run: bool = True) -> float:
+        """Take the feeds' features off the bus and (with `run`) run the drafter up to the newest; bus seconds."""
         t0 = time.perf_counter()
         if feeds:
             self._collect(feeds)
         bus_s = time.perf_counter() - t0
+        if run:
+            if self.lo is not None:
+                self._catch_up(toks)
+            if not self.ready:
+                raise RuntimeError("draft() before any features were fed: the drafter has nothing to draft from")
+        return bus_s
+
+    @torch.no_grad()
+    def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,
+              plan: DraftPlan | None = None) -> Drafts:
+        t0 = time.perf_counter()
+        bus_s = self.absorb(feeds, toks, run=k > 0)
         b = toks.shape[0]
         if k == 0:
             return Drafts.empty(b, bus_s)
-        if self.lo is not None:
-            self._catch_up(toks)
-        if not self.ready:
-            raise RuntimeError("draft() before any features were fed: the drafter has nothing to draft from")
         d = self.drafter
         gen = torch.Generator(device=self.feats.device).manual_seed(seed) if seed is not None else None
         head = d.confidence

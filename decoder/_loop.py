@@ -15,6 +15,7 @@ k every round with the given drafter (the classic loop, kept for comparison).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -26,12 +27,16 @@ import probe
 from ._cost import CostModel
 from ._eagle import Eagle3Drafter
 from ._feeder import Drafts, EagleFeeder, Feeder
+from ._medusa import MedusaFeeder
 from ._ngram import NgramDrafter
 from ._sched import DraftPlan, RowFix, Scheduler
 from ._state import Run, SpecOutput, SpecStats
+from ._tree_round import supports_tree, tree_round
 from ._verify import target_probs, verify_greedy_rows, verify_rows
 
 __all__ = ["RoundDrafts", "SpecOutput", "SpecStats", "SpeculativeDecoder"]
+
+log = logging.getLogger("decoder")
 
 
 @dataclass
@@ -79,7 +84,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target: nn.Module, drafter: Eagle3Drafter | Feeder | NgramDrafter | str | None = None, *,
                  k: int = 5, ngram: NgramDrafter | None = None, eagle: Eagle3Drafter | Feeder | None = None,
-                 endpoint: str | None = None, schedule: str = "auto", cost: CostModel | None = None) -> None:
+                 endpoint: str | None = None, schedule: str = "auto", cost: CostModel | None = None,
+                 tree: int = 0, tree_top_k: int = 4) -> None:
         if schedule not in ("auto", "fixed"):
             raise ValueError(f"schedule must be 'auto' or 'fixed', got {schedule!r}")
         if k < 1:
@@ -122,6 +128,14 @@ class SpeculativeDecoder:
             if endpoint is not None:
                 raise ValueError(f"endpoint={endpoint!r}: this drafter reads no features, so no probe session runs")
             self.feeder = self.eagle
+        if tree < 0 or tree_top_k < 1:
+            raise ValueError(f"tree (most nodes) must be >= 0 and tree_top_k >= 1, got {tree}, {tree_top_k}")
+        if tree and not supports_tree(self.feeder):
+            raise ValueError("tree drafts need EAGLE-3 or Medusa heads (a drafter that scores alternatives); "
+                             "use tree=0 for this drafter")
+        if tree and not isinstance(self.eagle, (Eagle3Drafter, MedusaFeeder)):
+            raise ValueError("tree drafts need the drafter in this process (Eagle3Drafter or MedusaFeeder)")
+        self.tree, self.tree_top_k = tree, tree_top_k
         getter = getattr(self.feeder.drafter if isinstance(self.feeder, EagleFeeder) else self.feeder,
                          "draft_to_target_ids", None)
         self._d2t = getter() if getter is not None else None
@@ -170,7 +184,12 @@ class SpeculativeDecoder:
         run = self._start(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
                           streamer)
         self._prefill(run)
+        if self.tree and run.b > 1:
+            log.warning("tree drafts are verified at batch 1 only; this batch of %d verifies chains", run.b)
         while run.any_active():
+            if self.tree and run.b == 1:
+                tree_round(self, run)
+                continue
             tr = time.perf_counter()
             drafts = self._draft(run)  # schedule + draft: method and length per row
             tv = time.perf_counter()
@@ -238,7 +257,8 @@ class SpeculativeDecoder:
             off = on = None
             if self.session is not None:  # both probe states: capturing forwards cost more (the drafter skips
                 off, on = self._probes(False), self._probes(True)  # their captures: nobody told it to read them)
-            self.cost.ensure(run.b, self.k, self.eagle if isinstance(self.eagle, Eagle3Drafter) else None, off, on)
+            k_max = max(self.k, self.tree) if self.tree and run.b == 1 else self.k
+            self.cost.ensure(run.b, k_max, self.eagle if isinstance(self.eagle, Eagle3Drafter) else None, off, on)
         if self.feeder is not None:
             self.feeder.prepare(run.b, run.cap)
         if self.ngram is not None:

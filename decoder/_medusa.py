@@ -31,7 +31,7 @@ from torch import nn
 
 import probe
 
-from ._feeder import Drafts, Feed
+from ._feeder import Drafts, Feed, tree_positions
 from ._sched import DraftPlan
 
 
@@ -117,7 +117,7 @@ class MedusaFeeder:
         self.h = torch.zeros(batch, self.heads.config.hidden_size, dtype=p.dtype, device=p.device)
         self.seq_base: int | None = None
 
-    def _collect(self, step: int, end: torch.Tensor) -> None:
+    def _collect(self, step: int, end: torch.Tensor, remap: tuple[int, torch.Tensor] | None = None) -> None:
         while True:
             cap = self.sub.recv(timeout=30)
             if cap is None:
@@ -129,9 +129,15 @@ class MedusaFeeder:
             if self.seq_base is None:
                 self.seq_base = int(cap.seq_ids.min())
             r = cap.seq_ids - self.seq_base
-            keep = cap.positions == end[r]
+            pos = tree_positions(cap.positions, remap)
+            keep = pos == end[r]
             self.h[r[keep]] = cap.tensor[keep].to(self.h.dtype)
             return
+
+    def absorb(self, feeds: list[Feed], toks: torch.Tensor | None = None) -> None:
+        """Read the newest accepted position's hidden state of every row off the bus."""
+        for feed in feeds:
+            self._collect(feed[0], feed[2], feed[3] if len(feed) > 3 else None)
 
     @torch.no_grad()
     def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,
@@ -139,8 +145,7 @@ class MedusaFeeder:
         if self.sub is None:
             raise RuntimeError("the Medusa heads are not connected to a probe session (connect(endpoint) first)")
         t0 = time.perf_counter()
-        for step, _start, end in feeds:
-            self._collect(step, end)
+        self.absorb(feeds)
         bus_s = time.perf_counter() - t0
         b = toks.shape[0]
         if k == 0:

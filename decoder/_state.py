@@ -31,6 +31,7 @@ class SpecStats:
     eagle_rounds: int = 0  # row-rounds drafted by EAGLE-3
     ngram_rounds: int = 0  # row-rounds drafted by n-gram
     plain_rounds: int = 0  # rounds with nothing drafted (a plain step)
+    tree_rounds: int = 0  # rounds that verified a draft tree (batch 1 with tree=N)
     delegated: bool = False  # the call ran as the target's own `generate` (drafting measured not to pay)
     seconds: float = 0.0
     draft_s: float = 0.0
@@ -65,7 +66,7 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         keys = ("batch", "rounds", "target_forwards", "emitted", "drafted", "accepted", "eagle_rounds",
-                "ngram_rounds", "plain_rounds", "seconds", "draft_s", "verify_s", "bus_s")
+                "ngram_rounds", "plain_rounds", "tree_rounds", "seconds", "draft_s", "verify_s", "bus_s")
         d = {k: getattr(self, k) for k in keys}
         d.update(tau=self.tau, tau_drafted=self.tau_drafted, tokens_per_forward=self.tokens_per_forward,
                  tokens_per_s=self.tokens_per_s, acceptance=self.acceptance)
@@ -145,6 +146,13 @@ class Run:
             self.emitted[r] = 1
             self.done[r] = t in self.eos
 
+    def reserve(self, length: int) -> None:
+        """Room for `length` more mask columns (holes pile up over a long call)."""
+        if self.cols + length > self.mask.shape[1]:
+            grown = torch.zeros(self.b, 2 * self.mask.shape[1] + length, dtype=torch.long, device=self.device)
+            grown[:, : self.cols] = self.mask[:, : self.cols]
+            self.mask = grown
+
     def inputs(self, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input ids [B, L], positions [B, L], attention mask [B, cols + L]) for a verify forward."""
         b, n = drafts.shape
@@ -152,10 +160,7 @@ class Run:
         last = torch.tensor(self.last)
         inp = torch.cat([self.toks[torch.arange(b), last][:, None], drafts.cpu()], 1)
         positions = last[:, None] + torch.arange(length)
-        if self.cols + length > self.mask.shape[1]:  # rare: holes piled up; grow the mask
-            grown = torch.zeros(b, 2 * self.mask.shape[1] + length, dtype=torch.long, device=self.device)
-            grown[:, : self.cols] = self.mask[:, : self.cols]
-            self.mask = grown
+        self.reserve(length)
         self.mask[:, self.cols: self.cols + length] = 1
         return inp.to(self.device), positions.to(self.device), self.mask[:, : self.cols + length]
 

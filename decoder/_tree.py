@@ -1,0 +1,220 @@
+"""Tree drafts (EAGLE-2-style dynamic trees) and their lossless verification in one target forward.
+
+    tree = eagle_tree(feeder, depth=5, top_k=4)       # or medusa_tree(feeder, depth=4, top_k=4)
+    n = tree.budget(verify_cost)                      # how many nodes pay, from measured forward costs
+    tree = tree.top(n)
+    logits = target(root + tree.tokens, attention_mask=tree_attention(...), position_ids=last + depth)
+    path, nxt = verify_tree_greedy(tree, logits)      # or verify_tree_sampling(tree, p, generator)
+    keep_path(cache, cols, path)                      # the KV cache keeps the accepted branch only
+
+EAGLE-3 trees grow depth by depth: each frontier node is one row of a batched drafter step
+(its own copy of the drafter's KV cache, gathered from its parent's), its children are the
+best `top_k` of all frontier children by cumulative draft probability, and every candidate
+seen is kept for the final rerank. Medusa trees take the Cartesian product of the heads'
+top tokens best-first (cumulative probability = product of the heads' probabilities). In
+both, the nodes kept are the most probable ones, so a node's parent is always kept too, and
+the expected accepted length of the top n nodes is 1 + (sum of their path probabilities)
+when the draft probabilities are calibrated: `budget` weighs that against the forward's cost.
+
+Verification walks from the root. Greedy: follow the child equal to the target's argmax.
+Sampling: the children are deterministic proposals, tried in order with the point-mass rule on
+the running residual (accept x with r(x), else r(x) <- 0 and renormalise); when every child is
+rejected the next token is drawn from the residual. Each try is an exact speculative step on
+the residual, so the emitted token follows p exactly (SpecInfer's multi-draft rule with point
+masses); the walk continues from an accepted child with that child's own target distribution.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class Tree:
+    """Nodes in parent-before-child order; `parents[i]` = -1 for a child of the root (the last committed token)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)  # 1 for the root's children
+    probs: list[float] = field(default_factory=list)  # cumulative draft probability of the path to the node
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def top(self, n: int) -> Tree:
+        """The n most probable nodes (parents before children, ancestors always included)."""
+        order = sorted(range(len(self)), key=lambda i: -self.probs[i])[:n]
+        keep = set(order)
+        for i in order:  # ties could rank a child above its parent
+            p = self.parents[i]
+            while p >= 0 and p not in keep:
+                keep.add(p)
+                p = self.parents[p]
+        kept = sorted(keep, key=lambda i: (self.depths[i], -self.probs[i]))
+        index = {old: new for new, old in enumerate(kept)}
+        return Tree([self.tokens[i] for i in kept], [index.get(self.parents[i], -1) for i in kept],
+                    [self.depths[i] for i in kept], [self.probs[i] for i in kept])
+
+    def within(self, depth: int) -> Tree:
+        """The nodes at most `depth` deep (a row near its token budget cannot use deeper ones)."""
+        keep = [i for i in range(len(self)) if self.depths[i] <= depth]
+        index = {old: new for new, old in enumerate(keep)}
+        return Tree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
+                    [self.depths[i] for i in keep], [self.probs[i] for i in keep])
+
+    def budget(self, verify_cost: list[float], draft_cost: float = 0.0) -> int:
+        """Nodes that maximise expected tokens per second: (1 + sum of the top n path probabilities) over the cost
+        of verifying n + 1 tokens (verify_cost[L - 1] = seconds for L tokens) plus drafting."""
+        probs = sorted(self.probs, reverse=True)
+        best_n, best = 0, 1.0 / verify_cost[0]
+        gain = 1.0
+        for n in range(1, min(len(probs), len(verify_cost) - 1) + 1):
+            gain += probs[n - 1]
+            rate = gain / (verify_cost[n] + draft_cost)
+            if rate > best:
+                best_n, best = n, rate
+        return best_n
+
+    def children(self) -> list[list[int]]:
+        """Per node (index + 1; 0 = the root): its children, most probable first."""
+        out: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i in sorted(range(len(self)), key=lambda i: -self.probs[i]):
+            out[self.parents[i] + 1].append(i)
+        return out
+
+
+@torch.no_grad()
+def eagle_tree(feeder, depth: int, top_k: int) -> Tree:  # noqa: ANN001 - an EagleFeeder after absorb()
+    """Grow an EAGLE-3 draft tree for batch row 0 from the feeder's newest state."""
+    d2t = feeder._d2t
+    logp = feeder.logits[0, 0].float().log_softmax(-1)  # the root's children
+    val, ids = logp.topk(top_k)
+    tree = Tree()
+    for v, i in zip(val.tolist(), ids.tolist(), strict=True):
+        tree.tokens.append(int(d2t[i]))
+        tree.parents.append(-1)
+        tree.depths.append(1)
+        tree.probs.append(float(torch.tensor(v).exp()))
+    front = list(range(top_k))  # tree indices of the frontier nodes (one drafter row each)
+    front_lp = val
+    cache = _rows(feeder.cache, [0] * top_k)
+    h = feeder.h[:1].expand(top_k, -1, -1)
+    pos = int(feeder.fed_end[0]) + 1
+    span = pos + 1
+    for d in range(1, depth):
+        toks = torch.tensor([tree.tokens[i] for i in front], device=h.device)[:, None]
+        where = torch.full((len(front), 1), pos + d - 1, device=h.device)
+        h, _, logits = feeder._step(h, toks, where, cache, span + d - 1)
+        child = logits[:, 0].float().log_softmax(-1) + front_lp[:, None]  # [F, Vd] cumulative
+        val, flat = child.flatten().topk(min(top_k * top_k, child.numel()))
+        rows, ids = flat // child.shape[1], flat % child.shape[1]
+        first = len(tree)
+        for v, r, i in zip(val.tolist(), rows.tolist(), ids.tolist(), strict=True):
+            tree.tokens.append(int(d2t[i]))
+            tree.parents.append(front[r])
+            tree.depths.append(d + 1)
+            tree.probs.append(float(torch.tensor(v).exp()))
+        pick = list(range(min(top_k, len(val))))  # the best top_k candidates are the next frontier
+        front = [first + j for j in pick]
+        front_lp = val[: len(pick)]
+        cache = _rows(cache, rows[: len(pick)].tolist())
+        h = h[rows[: len(pick)]]
+    return tree
+
+
+def _rows(cache, rows: list[int]):  # noqa: ANN001, ANN202 - a DraftCache
+    """A copy of the drafter cache holding the given rows (a frontier node's copy of its parent's cache)."""
+    out = object.__new__(type(cache))
+    idx = torch.tensor(rows, device=cache.k.device)
+    out.k, out.v, out.valid = cache.k[idx], cache.v[idx], cache.valid[idx]
+    return out
+
+
+@torch.no_grad()
+def medusa_tree(feeder, depth: int, top_k: int, limit: int = 64) -> Tree:  # noqa: ANN001 - a MedusaFeeder
+    """Best-first product of the Medusa heads' top tokens for batch row 0, at most `limit` nodes."""
+    probs = feeder.heads(feeder.h[:1])[0].float().softmax(-1)  # [K, V]
+    depth = min(depth, probs.shape[0])
+    top = [probs[d].topk(top_k) for d in range(depth)]
+    tree = Tree()
+    heap: list[tuple[float, int, int, int]] = [(-float(top[0].values[j]), -1, 0, j) for j in range(top_k)]
+    heapq.heapify(heap)
+    while heap and len(tree) < limit:
+        neg, parent, d, j = heapq.heappop(heap)
+        tree.tokens.append(int(top[d].indices[j]))
+        tree.parents.append(parent)
+        tree.depths.append(d + 1)
+        tree.probs.append(-neg)
+        me = len(tree) - 1
+        if d + 1 < depth:
+            for c in range(top_k):
+                heapq.heappush(heap, (neg * float(top[d + 1].values[c]), me, d + 1, c))
+    return tree
+
+
+def tree_attention(prefix: torch.Tensor, tree: Tree, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4-D mask [1, 1, n + 1, cols + n + 1]: every query sees the valid prefix columns, the root, its
+    ancestors and itself."""
+    n = len(tree)
+    allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    allowed[:, 0] = True
+    for i in range(n):
+        allowed[i + 1, i + 1] = True
+        p = tree.parents[i]
+        while p >= 0:
+            allowed[i + 1, p + 1] = True
+            p = tree.parents[p]
+    full = torch.cat([prefix.bool().cpu().expand(n + 1, -1), allowed], 1)
+    mask = torch.zeros(full.shape, dtype=dtype)
+    mask.masked_fill_(~full, torch.finfo(dtype).min)
+    return mask[None, None].to(prefix.device)
+
+
+def verify_tree_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """logits [n + 1, V] for [root, nodes] -> (accepted node indices root to leaf, next token)."""
+    best = logits.argmax(-1).tolist()
+    kids = tree.children()
+    path: list[int] = []
+    at = 0  # row in logits: 0 = root, i + 1 = node i
+    while True:
+        nxt = next((c for c in kids[at] if tree.tokens[c] == best[at]), None)
+        if nxt is None:
+            return path, best[at]
+        path.append(nxt)
+        at = nxt + 1
+
+
+def verify_tree_sampling(tree: Tree, p: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
+    """p [n + 1, V] target distributions for [root, nodes] -> (accepted path, next token); exact in distribution."""
+    kids = tree.children()
+    path: list[int] = []
+    at = 0
+    while True:
+        r = p[at].clone()
+        for c in kids[at]:
+            x = tree.tokens[c]
+            mass = float(r.sum())
+            u = float(torch.rand((), generator=generator, device=r.device))
+            if mass > 0 and u * mass < float(r[x]):  # accept with probability r(x) / sum(r)
+                break
+            r[x] = 0.0
+        else:
+            if float(r.sum()) <= 0:  # only when the children held all of p's mass and all were rejected: impossible
+                r = p[at]
+            return path, int(torch.multinomial(r / r.sum(), 1, generator=generator))
+        path.append(c)
+        at = c + 1
+
+
+def keep_path(cache: DynamicCache, cols: int, path: list[int]) -> None:
+    """Keep the prefix, the root and the accepted nodes' K/V (batch 1); drop every other tree column."""
+    idx = torch.tensor([*range(cols + 1), *(cols + 1 + i for i in path)])
+    for layer in cache.layers:
+        keys = layer.keys
+        ix = idx.to(keys.device)
+        layer.keys = keys.index_select(-2, ix)
+        layer.values = layer.values.index_select(-2, ix)

@@ -1,0 +1,88 @@
+"""One tree round of the speculative loop (batch 1): draft a tree, verify it in one forward, keep one branch.
+
+    kept = tree_round(decoder, run)      # what SpeculativeDecoder.generate runs per round with tree=N
+
+The node count is chosen per round from the measured cost of verifying L tokens and the tree's
+path probabilities (`Tree.budget`); zero nodes is a plain step. The target's forward carries a
+4-D attention mask (prefix + ancestors) and per-node positions (root position + depth), the
+probes label node j with position root + j, and the feed handed to the drafter maps those
+labels back to real positions of the accepted branch, so the drafter reads exactly the
+features of the tokens that were kept.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ._feeder import EagleFeeder
+from ._state import Run
+from ._tree import eagle_tree, keep_path, medusa_tree, tree_attention, verify_tree_greedy, verify_tree_sampling
+from ._verify import target_probs
+
+
+def supports_tree(feeder: object) -> bool:
+    return isinstance(feeder, EagleFeeder) or hasattr(feeder, "heads")
+
+
+@torch.no_grad()
+def tree_round(dec, run: Run) -> list[list[int]]:  # noqa: ANN001 - a SpeculativeDecoder
+    t0 = time.perf_counter()
+    f = dec.feeder
+    if isinstance(f, EagleFeeder):
+        run.stats.bus_s += f.absorb(run.feeds, run.toks)
+        tree = eagle_tree(f, dec.k, dec.tree_top_k)
+    else:
+        f.absorb(run.feeds)
+        tree = medusa_tree(f, dec.k, dec.tree_top_k)
+    run.feeds = []
+    tree = tree.within(max(run.caps(dec.k)[0], 0))
+    curve = dec.cost.curve(1, dec.tree, capturing=True)
+    tree = tree.top(tree.budget(curve))
+    t1 = time.perf_counter()
+    n, last, cols = len(tree), run.last[0], run.cols
+    run.reserve(n + 1)
+    dec._capture(True)
+    dev = run.device
+    ids = torch.tensor([[int(run.toks[0, last])] + tree.tokens], device=dev)
+    pos = torch.tensor([[last] + [last + d for d in tree.depths]], device=dev)
+    mask = tree_attention(run.mask[:, :cols], tree, next(dec.target.parameters()).dtype)
+    with dec._context("verify", (last + torch.arange(n + 1))[None].to(dev)):
+        logits = dec.target(ids, attention_mask=mask, position_ids=pos, cache=run.cache, use_cache=True).logits[0]
+    if run.mode == "greedy":
+        path, nxt = verify_tree_greedy(tree, logits)
+    else:
+        path, nxt = verify_tree_sampling(tree, target_probs(logits, run.temperature, run.top_k, run.top_p), run.gen)
+    keep_path(run.cache, cols, path)
+    run.mask[:, cols: cols + len(path) + 1] = 1
+    kept = run.commit([len(path)], [nxt], torch.tensor([[tree.tokens[i] for i in path]], dtype=torch.long))
+    step = dec.session.step if dec.session is not None else 0
+    start, end = run.advance()
+    real = torch.full((n + 1,), -1, dtype=torch.long)
+    real[0] = last
+    for j, i in enumerate(path):
+        real[i + 1] = last + 1 + j
+    run.feeds.append((step, start, end, (last, real)))
+    if run.streamer is not None and kept[0]:
+        run.streamer.put(torch.tensor(kept[0]))
+    now = time.perf_counter()
+    st = run.stats
+    st.rounds += 1
+    st.tree_rounds += n > 0
+    st.plain_rounds += n == 0
+    st.target_forwards += 1
+    st.row_rounds += 1
+    st.emitted += len(kept[0])
+    st.drafted += n
+    st.drafted_row_rounds += n > 0
+    st.accepted += len(path)
+    depth = max(tree.depths, default=0)
+    for i in range(min(depth, len(st.offered_at))):
+        st.offered_at[i] += 1
+        st.accepted_at[i] += int(len(path) > i)
+    st.draft_s += t1 - t0
+    st.verify_s += now - t1
+    st.history.append((n + 1, 1, n, len(path), n))
+    dec.cost.observe_verify(1, n + 1, now - t1, capturing=True)
+    return kept
