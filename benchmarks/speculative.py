@@ -1,9 +1,16 @@
-"""Speculative decoding on prompts nothing was tuned on: plain `generate`, HF prompt lookup, probebus n-gram,
-EAGLE-3, the round scheduler (auto) and the oracle bound, per prompt set, batch size and temperature.
+"""Speculative decoding on prompts nothing was tuned on: plain `generate`, HF prompt lookup, HF assisted
+generation, probebus n-gram, EAGLE-3, the round scheduler (auto), every other drafting method and the oracle
+bound, per prompt set, batch size and temperature.
 
-    python benchmarks/speculative.py                        # everything: 3 sets x batch 1, 8 x T 0, 0.8 (~30 min)
+    python benchmarks/speculative.py                        # the scheduler's table: 3 sets x batch 1, 8 x T 0, 0.8
     python benchmarks/speculative.py --quick                # smoke run (~2 min)
     python benchmarks/speculative.py --sets prose --batches 1 --temperatures 0
+    python benchmarks/speculative.py --methods all --batches 1 --no-oracle   # the per-method table (batch 1)
+
+Methods (`--methods`, default: plain, HF prompt lookup, n-gram, EAGLE-3, auto): `plain`, `HF prompt lookup`,
+`HF assisted` (transformers' assistant_model with the shipped draft model, batch 1), `n-gram`, `EAGLE-3`,
+`EAGLE-3 tree`, `Medusa`, `Medusa tree`, `MTP`, `clustered`, `draft model`, `layer skip`, `auto`; `all` runs
+every one. Chains draft a fixed k; trees choose their node count per round from the measured cost curve.
 
 Sets (benchmarks/prompts/*.jsonl, see benchmarks/_prompt_sets.py): held-out stdlib files,
 unseen third-party Python code, English prose. Each condition runs every method over the
@@ -40,6 +47,7 @@ from decoder import (  # noqa: E402
     RemoteEagle,
     SpeculativeDecoder,
     load_drafter,
+    load_named_drafter,
     oracle_bound,
     simulated_seconds,
 )
@@ -62,7 +70,19 @@ def no_hooks(model: torch.nn.Module) -> bool:
     return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "clustered": "clustered",
+         "draft model": "draft-model", "layer skip": "layer-skip", "EAGLE-3 tree": "default"}
+ALL = ["plain", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3", "EAGLE-3 tree", "Medusa", "Medusa tree",
+       "MTP", "clustered", "draft model", "layer skip", "auto"]
+DEFAULT = ["plain", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
+BASELINES = ("plain", "HF prompt lookup", "HF assisted")  # no probe attached, the target's own generate
+BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only
+
+
 def make(name: str, model, drafter, cost: CostModel, k: int, remote_addr: str | None):  # noqa: ANN001, ANN201
+    if name in NAMED:
+        d = drafter if name == "EAGLE-3 tree" else load_named_drafter(NAMED[name], model)
+        return SpeculativeDecoder(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
     if name == "n-gram":
         return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule="fixed", cost=cost)
     if name == "EAGLE-3":
@@ -76,7 +96,7 @@ def make(name: str, model, drafter, cost: CostModel, k: int, remote_addr: str | 
 
 def run_method(name: str, model, tok, prompts: list[str], batch: int, temp: float, args, drafter, cost,  # noqa: ANN001
                remote_addr: str | None = None) -> dict:
-    spec = None if name in ("plain", "HF prompt lookup") else make(name, model, drafter, cost, args.k, remote_addr)
+    spec = None if name in BASELINES else make(name, model, drafter, cost, args.k, remote_addr)
     if spec is None and not no_hooks(model):
         raise RuntimeError("a probe is still attached while timing a baseline")
     tokens = forwards = 0
@@ -92,6 +112,8 @@ def run_method(name: str, model, tok, prompts: list[str], batch: int, temp: floa
                     kw.update(temperature=temp, top_k=None, top_p=None)
                 if name == "HF prompt lookup":
                     kw["prompt_lookup_num_tokens"] = args.k
+                if name == "HF assisted":
+                    kw["assistant_model"] = assistant(model)
                 counter = ForwardCounter(model)
                 t0 = time.perf_counter()
                 with torch.no_grad():
@@ -116,6 +138,17 @@ def run_method(name: str, model, tok, prompts: list[str], batch: int, temp: floa
     row_rounds = sum(s.row_rounds for s in stats)
     tau = sum(s.tau * s.row_rounds for s in stats) / row_rounds if row_rounds else None
     return {"seconds": seconds, "tokens": tokens, "forwards": forwards, "tau": tau, "outs": outs, "stats": stats}
+
+
+def assistant(model: torch.nn.Module) -> torch.nn.Module:
+    """The shipped draft model as transformers' own assisted-generation baseline."""
+    global _ASSISTANT
+    if _ASSISTANT is None:
+        _ASSISTANT = load_named_drafter("draft-model", model).model
+    return _ASSISTANT
+
+
+_ASSISTANT = None
 
 
 def oracle(model, tok, prompts: list[str], batch: int, temp: float, args, drafter, cost) -> dict:  # noqa: ANN001
@@ -143,9 +176,7 @@ def oracle(model, tok, prompts: list[str], batch: int, temp: float, args, drafte
 
 def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float, args, drafter, cost,  # noqa: ANN001
               remote_addr: str | None) -> None:
-    methods = ["plain", "n-gram", "EAGLE-3", "auto"]
-    if batch == 1:
-        methods.insert(1, "HF prompt lookup")
+    methods = [m for m in args.methods if batch == 1 or m not in BATCH1]
     if remote_addr:
         methods.insert(-1, "EAGLE-3 remote")
     b = min(batch, len(prompts))
@@ -176,7 +207,7 @@ def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float
         print(f"  {'oracle bound':17s} {'':>7s} {'':>15s} {o['speedup']:7.2f}x {'(cost model)':>13s} {o['tau']:5.2f}"
               f"   -- auto on the same clock: {o['auto_speedup']:.2f}x")
     if batch != 1:
-        print("  (HF prompt lookup supports batch size 1 only)")
+        print("  (HF prompt lookup and assisted generation support batch size 1 only; trees run at batch 1)")
 
 
 def _short(args: argparse.Namespace) -> argparse.Namespace:
@@ -234,11 +265,16 @@ if __name__ == "__main__":
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     ap.add_argument("--model", default="default")
     ap.add_argument("--drafter", default="default")
+    ap.add_argument("--methods", nargs="+", default=DEFAULT, help="methods to run, or 'all' (default: %(default)s)")
     ap.add_argument("--remote", action="store_true", help="add EAGLE-3 with the drafter in another process")
     ap.add_argument("--no-oracle", action="store_true", help="skip the oracle bound (it costs 3 forwards a round)")
     ap.add_argument("--cached-cost", action="store_true", help="reuse the cached cost curve instead of measuring it "
                     "again at the start (a curve measured on a busy machine misleads the scheduler)")
     a = ap.parse_args()
+    a.methods = ALL if a.methods == ["all"] else a.methods
+    unknown = [m for m in a.methods if m not in ALL]
+    if unknown:
+        ap.error(f"unknown methods {unknown}; choose from {ALL} or 'all'")
     if a.quick:
         a.prompts, a.new_tokens, a.repeats, a.batches = 4, 24, 1, [1, 4]
     sys.exit(main(a))

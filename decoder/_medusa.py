@@ -92,6 +92,7 @@ class MedusaFeeder:
 
     sites = ["final_norm"]
     name = "medusa"
+    tree = True  # alternatives are scored per depth: tree drafts work
 
     def __init__(self, heads: MedusaHeads) -> None:
         self.heads = heads.eval()

@@ -8,9 +8,13 @@ Names (each one's files ship next to the target's own folder as `<model>-<suffix
 `default-drafter` for EAGLE-3, so any model folder can ship its drafters the same way):
 
     default | eagle3   EAGLE-3 chain             <model>-drafter/
+    eagle3-tree        EAGLE-3, tree drafts      <model>-drafter/   (the decoder's tree= option; batch 1)
     medusa             Medusa heads              <model>-medusa/
+    medusa-tree        Medusa, tree drafts       <model>-medusa/
     draft-model        a separate small LM       <model>-draft-model/
     layer-skip         the target's first layers <model>-layer-skip/
+    mtp                an MTP head               <model>-mtp/
+    clustered          an MTP head with a two-stage clustered vocabulary <model>-clustered/
     ngram              prompt lookup (no files)
 """
 
@@ -25,11 +29,19 @@ from ._checkpoint import DrafterError, load_drafter
 from ._draft_model import DraftModelDrafter
 from ._layer_skip import load_layer_skip
 from ._medusa import MedusaFeeder, load_medusa
+from ._mtp import MTPFeeder, load_mtp
 from ._ngram import NgramDrafter
 
-SUFFIX = {"default": "drafter", "eagle3": "drafter", "medusa": "medusa", "draft-model": "draft-model",
-          "layer-skip": "layer-skip"}
+SUFFIX = {"default": "drafter", "eagle3": "drafter", "eagle3-tree": "drafter", "medusa": "medusa",
+          "medusa-tree": "medusa", "draft-model": "draft-model",
+          "layer-skip": "layer-skip", "mtp": "mtp", "clustered": "clustered"}
 NAMES = (*SUFFIX, "ngram")
+TREE_NODES = 24  # the node budget of the -tree names (each round verifies the count that pays, up to this)
+
+
+def tree_nodes(spec: str) -> int:
+    """The decoder's tree= for a --drafter value: TREE_NODES for the -tree names, else 0 (chains)."""
+    return TREE_NODES if spec.endswith("-tree") else 0
 
 
 def shipped_folder(target: nn.Module, name: str) -> Path:
@@ -43,7 +55,7 @@ def shipped_folder(target: nn.Module, name: str) -> Path:
                 return cand
     raise DrafterError(f"no {name} drafter ships with the target {where or '(unknown folder)'}: expected "
                        f"'<model>-{suffix}/' next to its folder or '<model>/{suffix}/' inside it; train one "
-                       f"(probebus train-drafter --method {name if name in ('medusa', 'layer-skip') else 'eagle3'}) "
+                       f"(probebus train-drafter --method {'eagle3' if SUFFIX[name] == 'drafter' else name}) "
                        "or pass a folder")
 
 
@@ -57,14 +69,14 @@ def method_of(folder: Path) -> str:
         raise DrafterError(f"{folder}/config.json: expected a JSON object")
     if "medusa_num_heads" in raw:
         return "medusa"
-    if raw.get("probebus_drafter") == "layer-skip":
-        return "layer-skip"
+    if raw.get("probebus_drafter") in ("layer-skip", "mtp"):
+        return raw["probebus_drafter"]
     if raw.get("speculators_model_type") or "draft_vocab_size" in raw or "eagle_config" in raw:
         return "eagle3"
     if any(str(a).endswith("ForCausalLM") for a in raw.get("architectures") or []):
         return "draft-model"
-    raise DrafterError(f"{folder}: config.json names no drafting method this loop knows (EAGLE-3, Medusa, a "
-                       "causal LM, layer skip)")
+    raise DrafterError(f"{folder}: config.json names no drafting method this loop knows (EAGLE-3, Medusa, MTP, "
+                       "a causal LM, layer skip)")
 
 
 def load_named_drafter(spec: str, target: nn.Module) -> object:
@@ -82,6 +94,8 @@ def load_named_drafter(spec: str, target: nn.Module) -> object:
             return MedusaFeeder(load_medusa(folder, target))
         if method == "layer-skip":
             return load_layer_skip(folder, target)
+        if method == "mtp":
+            return MTPFeeder(load_mtp(folder, target))
         from transformers import AutoModelForCausalLM
 
         p = next(target.parameters())

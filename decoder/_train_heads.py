@@ -147,3 +147,143 @@ class _Bar:
 
     def close(self) -> None:
         self.p.stop()
+
+
+# --- MTP heads (flat or clustered vocabulary) ----------------------------------------------------------------------
+@dataclass
+class MTPTrainConfig:
+    depth: int = 3  # unrolled steps per position (the module is reused at every depth)
+    clusters: int = 0  # 0 = flat head; else C clusters of the target's output embeddings
+    intermediate: int = 512
+    steps: int = 1500
+    lr: float = 2e-3
+    warmup: int = 50
+    batch: int = 256
+    decay: float = 0.8
+    seed: int = 0
+    save_every: int = 250
+    holdout: float = 0.05
+
+
+def kmeans_clusters(weight: torch.Tensor, clusters: int, iters: int = 20, seed: int = 0) -> torch.Tensor:
+    """Cluster id of every vocabulary row (cosine k-means of the target's output embeddings)."""
+    x = torch.nn.functional.normalize(weight.detach().float(), dim=-1)
+    g = torch.Generator().manual_seed(seed)
+    cent = x[torch.randperm(len(x), generator=g)[:clusters]].clone()
+    for _ in range(iters):
+        assign = (x @ cent.T).argmax(-1)
+        for c in range(clusters):
+            members = x[assign == c]
+            cent[c] = torch.nn.functional.normalize(members.mean(0), dim=0) if len(members) else \
+                x[torch.randint(len(x), (1,), generator=g)][0]
+    return (x @ cent.T).argmax(-1)
+
+
+def _chains(seqs: list[tuple[torch.Tensor, torch.Tensor]], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h_t [N, H], tokens x_{t+1} .. x_{t+depth+1} [N, depth+1]) for every position with a full chain ahead."""
+    feats, toks = [], []
+    for t, f in seqs:
+        n = len(t) - depth - 1
+        if n > 0:
+            feats.append(f[:n])
+            toks.append(torch.stack([t[1 + j: 1 + j + n] for j in range(depth + 1)], 1))
+    return torch.cat(feats), torch.cat(toks)
+
+
+def _mtp_loss(head, h: torch.Tensor, toks: torch.Tensor, cfg: MTPTrainConfig, pos_in: torch.Tensor | None):  # noqa: ANN001, ANN202
+    loss, accs = h.new_zeros(()), []
+    for j in range(cfg.depth):
+        h, hn = head.step(h, toks[:, j])
+        tgt = toks[:, j + 1]
+        if cfg.clusters:
+            cl = head.cluster_of[tgt]
+            part = F.cross_entropy(head.cluster_head(hn).float(), cl)
+            rows = head.head.weight[head.members[cl].clamp(min=0)]
+            lg = torch.einsum("nh,nmh->nm", hn, rows).float().masked_fill(head.members[cl] < 0, float("-inf"))
+            part = part + F.cross_entropy(lg, pos_in[tgt])
+            with torch.no_grad():
+                accs.append(float((head.probs(hn).argmax(-1) == tgt).float().mean()))
+        else:
+            lg = head.full_logits(hn)
+            part = F.cross_entropy(lg, tgt)
+            accs.append(float((lg.argmax(-1) == tgt).float().mean()))
+        loss = loss + cfg.decay ** j * part
+    return loss, accs
+
+
+@torch.no_grad()
+def mtp_acceptance(head, feats: torch.Tensor, toks: torch.Tensor) -> dict:  # noqa: ANN001
+    """Greedy chain acceptance by draft position (teacher forcing is exact while the chain is right)."""
+    alive = torch.ones(len(feats), dtype=torch.bool)
+    h, acc = feats, []
+    for j in range(toks.shape[1] - 1):
+        h, hn = head.step(h, toks[:, j])
+        alive &= head.probs(hn).argmax(-1) == toks[:, j + 1]
+        acc.append(float(alive.float().mean()))
+    return {"positions": len(feats), "acceptance": [round(a, 4) for a in acc], "tau": round(1 + sum(acc), 3)}
+
+
+def train_mtp(target: nn.Module, recording: str | Path, out: str | Path, cfg: MTPTrainConfig | None = None, *,
+              resume: bool = True, progress: bool = True) -> dict:
+    """Train and save an MTP head (flat, or clustered with cfg.clusters > 0) from `final_norm` recordings."""
+    from ._mtp import MTPConfig, MTPHead, save_mtp
+
+    cfg = cfg or MTPTrainConfig()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    seqs = [s for s in load_site_sequences(recording, ["final_norm"]) if len(s[0]) > cfg.depth + 2]
+    if not seqs:
+        raise ValueError(f"{recording}: no sequence longer than {cfg.depth + 2} tokens with final_norm")
+    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    n_hold = int(len(seqs) * cfg.holdout) if len(seqs) >= 4 else 0
+    held = [seqs[i] for i in order[:n_hold]]
+    feats, toks = _chains([seqs[i] for i in sorted(order[n_hold:])], cfg.depth)
+    tc = target.config
+    head = MTPHead(MTPConfig(tc.hidden_size, cfg.intermediate, tc.vocab_size, cfg.clusters,
+                             float(getattr(tc, "rms_norm_eps", 1e-5))))
+    pos_in = None
+    if cfg.clusters:
+        head.cluster_of.copy_(kmeans_clusters(target.get_output_embeddings().weight, cfg.clusters, seed=cfg.seed))
+    head.bind_target(target)
+    if cfg.clusters:
+        pos_in = torch.zeros(tc.vocab_size, dtype=torch.long)
+        for row in head.members:
+            ids = row[row >= 0]
+            pos_in[ids] = torch.arange(len(ids))
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    state_file = out / "train_state.pt"
+    start = 0
+    if resume and state_file.is_file():
+        state = torch.load(state_file, weights_only=True)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    gen = torch.Generator().manual_seed(cfg.seed + start)
+    metrics: dict = {"positions": len(feats), "heldout_sequences": len(held), "resumed_from": start}
+    bar = _Bar(cfg.steps, start) if progress else None
+    t0 = time.perf_counter()
+    for step in range(start, cfg.steps):
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = torch.randint(len(feats), (cfg.batch,), generator=gen)
+        loss, accs = _mtp_loss(head, feats[idx].float(), toks[idx], cfg, pos_in)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        metrics.update(step=step + 1, loss=float(loss.detach()), acc=[round(a, 3) for a in accs])
+        if bar:
+            bar.update(step + 1, metrics["loss"], metrics["acc"])
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                        "config": asdict(cfg)}, state_file)
+    if bar:
+        bar.close()
+    metrics["seconds"] = time.perf_counter() - t0
+    head.eval()
+    if held:
+        metrics["heldout"] = mtp_acceptance(head, *_chains(held, cfg.depth))
+    save_mtp(head, out)
+    return metrics

@@ -23,7 +23,7 @@ from ._verify import target_probs
 
 
 def supports_tree(feeder: object) -> bool:
-    return isinstance(feeder, EagleFeeder) or hasattr(feeder, "heads")
+    return isinstance(feeder, EagleFeeder) or getattr(feeder, "tree", False)
 
 
 @torch.no_grad()

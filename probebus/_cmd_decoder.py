@@ -42,8 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "output equals plain decoding; sampling follows the target's distribution exactly.")
     _common(p)
     p.add_argument("--drafter", default="default",
-                   help="default | eagle3 | medusa | draft-model | layer-skip | ngram | auto | none | PATH "
-                   "(default: %(default)s)")
+                   help="default | eagle3 | eagle3-tree | medusa | medusa-tree | mtp | clustered | draft-model | "
+                   "layer-skip | ngram | auto | none | PATH (default: %(default)s)")
+    p.add_argument("--tree", type=int, default=None, help="verify draft trees of up to N nodes in one forward "
+                   "(batch 1, EAGLE-3 or Medusa; default: 24 for the -tree names, else 0 = chains)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts", metavar="FILE", help="JSON Lines with a 'prompt' field (or a text file: one "
@@ -142,9 +144,9 @@ def load_target(args: argparse.Namespace, need_tokenizer: bool = True):  # noqa:
 
 
 def make_decoder(model: torch.nn.Module, drafter: str, k: int, *, fixed: bool = False, endpoint: str | None = None,
-                 refresh_cost: bool = False):  # noqa: ANN201 - a SpeculativeDecoder
+                 refresh_cost: bool = False, tree: int | None = None):  # noqa: ANN201 - a SpeculativeDecoder
     """The decoder for a --drafter value; raises DrafterError for a bad drafter."""
-    from decoder import CostModel, NgramDrafter, SpeculativeDecoder, load_drafter, load_named_drafter
+    from decoder import CostModel, NgramDrafter, SpeculativeDecoder, load_drafter, load_named_drafter, tree_nodes
 
     schedule = "fixed" if fixed else "auto"
     if drafter == "none":
@@ -164,7 +166,11 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int, *, fixed: bool = 
     if endpoint is not None and getattr(loaded, "sites", None) == []:
         raise UsageError(f"--endpoint: --drafter {drafter} reads token ids only, so no probe session runs; use "
                          "--drafter default, medusa or auto to get one")
-    return SpeculativeDecoder(model, loaded, k=k, schedule=schedule, endpoint=endpoint, cost=cost)
+    nodes = tree_nodes(drafter) if tree is None else tree
+    try:
+        return SpeculativeDecoder(model, loaded, k=k, schedule=schedule, endpoint=endpoint, cost=cost, tree=nodes)
+    except ValueError as exc:  # a tree for a drafter that cannot grow one
+        raise UsageError(f"--drafter {drafter}: {exc}") from None
 
 
 def _check_generate(args: argparse.Namespace) -> None:
@@ -180,6 +186,10 @@ def _check_generate(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.tree is not None and not 0 <= args.tree <= 64:
+        raise UsageError(f"--tree must be between 0 and 64 nodes, got {args.tree}")
+    if args.tree and args.drafter in ("ngram", "none", "auto"):
+        raise UsageError(f"--tree needs a drafter that scores alternatives (EAGLE-3 or Medusa), not {args.drafter}")
     if args.endpoint is not None and args.drafter == "none":
         raise UsageError("--endpoint: --drafter none runs without a probe session; use --drafter default or auto")
 
@@ -198,7 +208,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 raise UsageError("--plot needs matplotlib: pip install 'probebus[plot]'")
         model, tok = load_target(args)
         spec = make_decoder(model, args.drafter, args.k, fixed=args.fixed, endpoint=args.endpoint,
-                            refresh_cost=args.refresh_cost)
+                            refresh_cost=args.refresh_cost, tree=args.tree)
     except (UsageError, DrafterError, FileNotFoundError) as exc:
         return _fail("generate", exc)
     if spec.endpoint is not None:

@@ -36,3 +36,30 @@ def test_greedy_equals_generate_on_the_default_model(target, batch: int) -> None
         assert_same_or_near_tie(model, out.sequences, want, enc.attention_mask)
         if name == "eagle":  # fixed k: a trained head on its own target, far above the 1.0 of a useless drafter
             assert out.stats.tau > 1.8, out.stats.as_dict()
+
+
+@pytest.mark.parametrize("name", ["eagle3-tree", "medusa", "medusa-tree", "mtp", "clustered", "draft-model",
+                                  "layer-skip"])
+def test_every_shipped_drafter_is_lossless_on_the_default_model(target, name: str) -> None:  # noqa: ANN001
+    """Each --drafter name loads the files shipped next to the default model, reproduces greedy `generate` on
+    held-out prompts, and (all but layer skip, whose early exit is untrained) is really accepted."""
+    from decoder import load_named_drafter, tree_nodes
+
+    model, tok = target
+    enc = tok(code_prompts("heldout", 2, seed=7), return_tensors="pt", padding=True)
+    with torch.no_grad():
+        want = model.generate(**enc, max_new_tokens=32, do_sample=False, eos_token_id=None,
+                              pad_token_id=tok.pad_token_id)
+    drafter = load_named_drafter(name, model)
+    accepted = drafted = 0
+    for r in range(2):  # batch 1: trees need it
+        row = enc.attention_mask[r].bool()
+        ids = enc.input_ids[r][row][None]
+        with SpeculativeDecoder(model, drafter, k=4, schedule="fixed", tree=tree_nodes(name)) as spec:
+            out = spec.generate(ids, max_new_tokens=32, pad_token_id=tok.pad_token_id)
+        assert torch.equal(out.sequences[0, ids.shape[1]:], want[r, enc.input_ids.shape[1]:]), name
+        accepted, drafted = accepted + out.stats.accepted, drafted + out.stats.drafted
+        if name.endswith("-tree"):
+            assert out.stats.tree_rounds > 0
+    if name != "layer-skip":
+        assert accepted > 0.2 * drafted if not name.endswith("-tree") else accepted > 20, (accepted, drafted)
