@@ -13,6 +13,7 @@ from ._checkpoint import DrafterError, check_against_target, load_drafter, resol
 from ._confidence import ConfidenceHead, train_confidence
 from ._cost import CostModel
 from ._draft_model import DraftModelDrafter, LayerSkipDrafter, early_exit_view
+from ._dspark import DSparkConfig, DSparkFeeder, DSparkHead, load_dspark, save_dspark
 from ._eagle import DraftCache, Eagle3Config, Eagle3Drafter, default_aux_layers
 from ._feeder import Drafts, EagleFeeder, Feeder
 from ._layer_skip import exit_acceptance, fit_layer_skip, load_layer_skip
@@ -28,27 +29,30 @@ from ._remote import RemoteEagle, serve_drafter
 from ._sched import DraftPlan, Scheduler
 from ._train import TrainConfig, heldout_acceptance, load_sequences, load_site_sequences, train_drafter, ttt_mask
 from ._train_heads import (
+    DSparkTrainConfig,
     HeadsTrainConfig,
     MTPTrainConfig,
+    dspark_acceptance,
     heads_acceptance,
     kmeans_clusters,
     mtp_acceptance,
+    train_dspark,
     train_medusa,
     train_mtp,
 )
 from ._verify import accept, target_probs, verify_greedy, verify_greedy_rows, verify_rows, verify_sampling
 
 __all__ = [
-    "DraftModelDrafter", "HeadsTrainConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaFeeder", "MedusaHeads",
-    "DRAFTER_NAMES", "exit_acceptance", "fit_layer_skip", "load_layer_skip", "load_named_drafter", "tree_nodes",
-    "early_exit_view", "MTPConfig", "MTPFeeder", "MTPHead", "MTPTrainConfig", "kmeans_clusters", "load_mtp",
-    "mtp_acceptance", "save_mtp", "train_mtp", "heads_acceptance", "load_medusa", "load_site_sequences",
-    "save_medusa", "train_medusa",
-    "ConfidenceHead", "CostModel", "DraftCache", "DraftPlan", "DrafterError", "Drafts", "Eagle3Config",
-    "Eagle3Drafter", "EagleFeeder", "Feeder", "NgramDrafter", "NgramIndex", "OracleResult", "RemoteEagle", "Scheduler",
-    "SpecOutput", "SpecStats", "SpeculativeDecoder", "TrainConfig", "accept", "check_against_target",
-    "default_aux_layers", "heldout_acceptance", "load_drafter", "load_sequences", "oracle_bound", "plot_stats",
-    "resolve_drafter_path", "simulated_seconds",
-    "save_drafter", "serve_drafter", "target_probs", "train_confidence", "train_drafter", "ttt_mask",
-    "verify_greedy", "verify_greedy_rows", "verify_rows", "verify_sampling",
+    "accept", "check_against_target", "ConfidenceHead", "CostModel", "default_aux_layers", "DraftCache",
+    "DRAFTER_NAMES", "DrafterError", "DraftModelDrafter", "DraftPlan", "Drafts", "dspark_acceptance", "DSparkConfig",
+    "DSparkFeeder", "DSparkHead", "DSparkTrainConfig", "Eagle3Config", "Eagle3Drafter", "EagleFeeder",
+    "early_exit_view", "exit_acceptance", "Feeder", "fit_layer_skip", "heads_acceptance", "HeadsTrainConfig",
+    "heldout_acceptance", "kmeans_clusters", "LayerSkipDrafter", "load_drafter", "load_dspark", "load_layer_skip",
+    "load_medusa", "load_mtp", "load_named_drafter", "load_sequences", "load_site_sequences", "MedusaConfig",
+    "MedusaFeeder", "MedusaHeads", "mtp_acceptance", "MTPConfig", "MTPFeeder", "MTPHead", "MTPTrainConfig",
+    "NgramDrafter", "NgramIndex", "oracle_bound", "OracleResult", "plot_stats", "RemoteEagle", "resolve_drafter_path",
+    "save_drafter", "save_dspark", "save_medusa", "save_mtp", "Scheduler", "serve_drafter", "simulated_seconds",
+    "SpecOutput", "SpecStats", "SpeculativeDecoder", "target_probs", "train_confidence", "train_drafter",
+    "train_dspark", "train_medusa", "train_mtp", "TrainConfig", "tree_nodes", "ttt_mask", "verify_greedy",
+    "verify_greedy_rows", "verify_rows", "verify_sampling",
 ]

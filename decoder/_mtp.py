@@ -111,17 +111,16 @@ class MTPHead(nn.Module):
         return (hn.to(w.dtype) @ w.T).float()
 
     def probs(self, hn: torch.Tensor) -> torch.Tensor:
-        """The draft distribution over the whole vocabulary [N, V]: flat, or zero outside the best cluster."""
+        """The draft distribution over the whole vocabulary [N, V]: flat, or the best cluster's tokens only."""
         if not self.config.clusters:
             return self.full_logits(hn).softmax(-1)
-        cl = self.cluster_head(hn).float().log_softmax(-1)  # [N, C]
-        best = cl.argmax(-1)
+        best = self.cluster_head(hn).argmax(-1)  # [N]: C rows scored
         ids = self.members[best]  # [N, M]
         rows = self.head.weight[ids.clamp(min=0)]  # [N, M, H]: C + V/C rows scored, not V
         lg = torch.einsum("nh,nmh->nm", hn.to(rows.dtype), rows).float().masked_fill(ids < 0, float("-inf"))
-        within = lg.log_softmax(-1) + cl.gather(1, best[:, None])
+        within = lg.log_softmax(-1)  # q: the best cluster's tokens, renormalised (the cluster choice is greedy)
         out = torch.zeros(hn.shape[0], self.config.vocab_size, device=hn.device)
-        out.scatter_(1, ids.clamp(min=0), within.exp().masked_fill(ids < 0, 0.0))
+        out.scatter_add_(1, ids.clamp(min=0), within.exp().masked_fill(ids < 0, 0.0))  # padding adds 0 to id 0
         return out
 
 

@@ -15,6 +15,7 @@ Names (each one's files ship next to the target's own folder as `<model>-<suffix
     layer-skip         the target's first layers <model>-layer-skip/
     mtp                an MTP head               <model>-mtp/
     clustered          an MTP head with a two-stage clustered vocabulary <model>-clustered/
+    dspark             parallel drafts + Markov + confidence heads <model>-dspark/
     ngram              prompt lookup (no files)
 """
 
@@ -27,6 +28,7 @@ from torch import nn
 
 from ._checkpoint import DrafterError, load_drafter
 from ._draft_model import DraftModelDrafter
+from ._dspark import DSparkFeeder, load_dspark
 from ._layer_skip import load_layer_skip
 from ._medusa import MedusaFeeder, load_medusa
 from ._mtp import MTPFeeder, load_mtp
@@ -34,7 +36,8 @@ from ._ngram import NgramDrafter
 
 SUFFIX = {"default": "drafter", "eagle3": "drafter", "eagle3-tree": "drafter", "medusa": "medusa",
           "medusa-tree": "medusa", "draft-model": "draft-model",
-          "layer-skip": "layer-skip", "mtp": "mtp", "clustered": "clustered"}
+          "layer-skip": "layer-skip", "mtp": "mtp", "clustered": "clustered",
+          "dspark": "dspark"}
 NAMES = (*SUFFIX, "ngram")
 TREE_NODES = 24  # the node budget of the -tree names (each round verifies the count that pays, up to this)
 
@@ -69,7 +72,7 @@ def method_of(folder: Path) -> str:
         raise DrafterError(f"{folder}/config.json: expected a JSON object")
     if "medusa_num_heads" in raw:
         return "medusa"
-    if raw.get("probebus_drafter") in ("layer-skip", "mtp"):
+    if raw.get("probebus_drafter") in ("layer-skip", "mtp", "dspark"):
         return raw["probebus_drafter"]
     if raw.get("speculators_model_type") or "draft_vocab_size" in raw or "eagle_config" in raw:
         return "eagle3"
@@ -96,6 +99,8 @@ def load_named_drafter(spec: str, target: nn.Module) -> object:
             return load_layer_skip(folder, target)
         if method == "mtp":
             return MTPFeeder(load_mtp(folder, target))
+        if method == "dspark":
+            return DSparkFeeder(load_dspark(folder, target))
         from transformers import AutoModelForCausalLM
 
         p = next(target.parameters())

@@ -287,3 +287,106 @@ def train_mtp(target: nn.Module, recording: str | Path, out: str | Path, cfg: MT
         metrics["heldout"] = mtp_acceptance(head, *_chains(held, cfg.depth))
     save_mtp(head, out)
     return metrics
+
+
+# --- DSpark (parallel drafts + Markov + confidence) ---------------------------------------------------------------
+@dataclass
+class DSparkTrainConfig:
+    positions: int = 4
+    rank: int = 64
+    steps: int = 1500
+    lr: float = 2e-3
+    warmup: int = 50
+    batch: int = 256
+    decay: float = 0.8
+    conf_weight: float = 0.2
+    seed: int = 0
+    save_every: int = 250
+    holdout: float = 0.05
+
+
+def _dspark_loss(head, h: torch.Tensor, toks: torch.Tensor, cfg: DSparkTrainConfig):  # noqa: ANN001, ANN202
+    base = head.base(h, toks[:, 0])
+    loss, accs = h.new_zeros(()), []
+    for i in range(cfg.positions):
+        logits, conf, _ = head.position(base[:, i], toks[:, i])  # the previous token as accepted (teacher forcing)
+        tgt = toks[:, i + 1]
+        hit = (logits.argmax(-1) == tgt).float()
+        loss = loss + cfg.decay ** i * F.cross_entropy(logits, tgt) + \
+            cfg.conf_weight * F.binary_cross_entropy(conf.clamp(1e-6, 1 - 1e-6), hit)
+        accs.append(float(hit.mean()))
+    return loss, accs
+
+
+@torch.no_grad()
+def dspark_acceptance(head, feats: torch.Tensor, toks: torch.Tensor) -> dict:  # noqa: ANN001
+    """Greedy chain acceptance by draft position, and the confidence head's mean estimate against it."""
+    base = head.base(feats, toks[:, 0])
+    alive = torch.ones(len(feats), dtype=torch.bool)
+    acc, conf_mean, cond = [], [], []
+    for i in range(toks.shape[1] - 1):
+        logits, conf, _ = head.position(base[:, i], toks[:, i])
+        hit = logits.argmax(-1) == toks[:, i + 1]
+        cond.append(float(hit[alive].float().mean()) if alive.any() else 0.0)
+        conf_mean.append(float(conf[alive].mean()) if alive.any() else 0.0)
+        alive &= hit
+        acc.append(float(alive.float().mean()))
+    return {"positions": len(feats), "acceptance": [round(a, 4) for a in acc], "tau": round(1 + sum(acc), 3),
+            "conditional": [round(c, 4) for c in cond], "confidence": [round(c, 4) for c in conf_mean]}
+
+
+def train_dspark(target: nn.Module, recording: str | Path, out: str | Path, cfg: DSparkTrainConfig | None = None, *,
+                 resume: bool = True, progress: bool = True) -> dict:
+    """Train and save a DSpark head from `final_norm` recordings."""
+    from ._dspark import DSparkConfig, DSparkHead, save_dspark
+
+    cfg = cfg or DSparkTrainConfig()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    seqs = [s for s in load_site_sequences(recording, ["final_norm"]) if len(s[0]) > cfg.positions + 2]
+    if not seqs:
+        raise ValueError(f"{recording}: no sequence longer than {cfg.positions + 2} tokens with final_norm")
+    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    n_hold = int(len(seqs) * cfg.holdout) if len(seqs) >= 4 else 0
+    held = [seqs[i] for i in order[:n_hold]]
+    feats, toks = _chains([seqs[i] for i in sorted(order[n_hold:])], cfg.positions)
+    tc = target.config
+    head = DSparkHead(DSparkConfig(tc.hidden_size, tc.vocab_size, cfg.positions, cfg.rank,
+                                   float(getattr(tc, "rms_norm_eps", 1e-5)))).bind_target(target)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    state_file = out / "train_state.pt"
+    start = 0
+    if resume and state_file.is_file():
+        state = torch.load(state_file, weights_only=True)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    gen = torch.Generator().manual_seed(cfg.seed + start)
+    metrics: dict = {"positions": len(feats), "heldout_sequences": len(held), "resumed_from": start}
+    bar = _Bar(cfg.steps, start) if progress else None
+    t0 = time.perf_counter()
+    for step in range(start, cfg.steps):
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = torch.randint(len(feats), (cfg.batch,), generator=gen)
+        loss, accs = _dspark_loss(head, feats[idx].float(), toks[idx], cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        metrics.update(step=step + 1, loss=float(loss.detach()), acc=[round(a, 3) for a in accs])
+        if bar:
+            bar.update(step + 1, metrics["loss"], metrics["acc"])
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                        "config": asdict(cfg)}, state_file)
+    if bar:
+        bar.close()
+    metrics["seconds"] = time.perf_counter() - t0
+    head.eval()
+    if held:
+        metrics["heldout"] = dspark_acceptance(head, *_chains(held, cfg.positions))
+    save_dspark(head, out)
+    return metrics

@@ -71,16 +71,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "of using the cached one")
     p.set_defaults(func=_cmd_generate)
 
-    t = sub.add_parser("train-drafter", help="train a drafter (EAGLE-3, Medusa, layer skip) from a recording",
+    t = sub.add_parser("train-drafter", help="train a drafter (EAGLE-3, Medusa, MTP, DSpark, layer skip) from a "
+                       "recording",
                        description="Train a drafter from an Arrow recording made with `probebus record`: --method "
-                       "eagle3 (record resid_pre of the feature layers; see `probebus sites MODEL`), medusa (record "
-                       "final_norm), layer-skip (any site: only the token ids are read; measures which early exit "
-                       "pays on this machine). Resumes from OUT if a training state is there. Holds out some "
-                       "sequences and reports acceptance by draft position on them.")
+                       "eagle3 (record resid_pre of the feature layers; see `probebus sites MODEL`), medusa, mtp, "
+                       "clustered or dspark (record final_norm), layer-skip (any site: only the token ids are "
+                       "read; measures which early exit pays on this machine). Resumes from OUT if a training "
+                       "state is there. Holds out some sequences and reports acceptance by draft position on them.")
     _common(t)
-    t.add_argument("--method", default="eagle3", choices=("eagle3", "medusa", "layer-skip"),
+    t.add_argument("--method", default="eagle3",
+                   choices=("eagle3", "medusa", "mtp", "clustered", "dspark", "layer-skip"),
                    help="which drafter to train (default: %(default)s)")
-    t.add_argument("--heads", type=int, default=4, help="medusa: number of heads (default: %(default)s)")
+    t.add_argument("--heads", type=int, default=4, help="medusa: heads; mtp/clustered: unrolled depth; dspark: "
+                   "parallel positions (default: %(default)s)")
+    t.add_argument("--clusters", type=int, default=64, help="clustered: vocabulary clusters (default: %(default)s)")
     t.add_argument("--recording", required=True, metavar="DIR", help="folder written by probebus record")
     t.add_argument("--out", required=True, metavar="DIR", help="where the drafter (speculators layout) is written")
     t.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: %(default)s)")
@@ -317,17 +321,33 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_other(args: argparse.Namespace, model: torch.nn.Module, rec) -> int:  # noqa: ANN001
-    """--method medusa | layer-skip."""
-    from decoder import HeadsTrainConfig, fit_layer_skip, load_site_sequences, train_medusa
+    """--method medusa | mtp | clustered | dspark | layer-skip."""
+    from decoder import (
+        DSparkTrainConfig,
+        HeadsTrainConfig,
+        MTPTrainConfig,
+        fit_layer_skip,
+        load_site_sequences,
+        train_dspark,
+        train_medusa,
+        train_mtp,
+    )
     from exporters import read_recording
 
+    kw = {"resume": not args.no_resume, "progress": sys.stderr.isatty()}
     try:
+        if args.heads < 1 or args.clusters < 2:
+            raise UsageError(f"--heads must be >= 1 and --clusters >= 2, got {args.heads}, {args.clusters}")
+        common = {"steps": args.steps, "lr": args.lr, "holdout": args.holdout}
         if args.method == "medusa":
-            if args.heads < 1:
-                raise UsageError(f"--heads must be >= 1, got {args.heads}")
-            cfg = HeadsTrainConfig(heads=args.heads, steps=args.steps, lr=args.lr, holdout=args.holdout)
-            metrics = train_medusa(model, rec, args.out, cfg, resume=not args.no_resume, target_name=args.model,
-                                   progress=sys.stderr.isatty())
+            metrics = train_medusa(model, rec, args.out, HeadsTrainConfig(heads=args.heads, **common),
+                                   target_name=args.model, **kw)
+        elif args.method in ("mtp", "clustered"):
+            clusters = args.clusters if args.method == "clustered" else 0
+            metrics = train_mtp(model, rec, args.out, MTPTrainConfig(depth=args.heads, clusters=clusters, **common),
+                                **kw)
+        elif args.method == "dspark":
+            metrics = train_dspark(model, rec, args.out, DSparkTrainConfig(positions=args.heads, **common), **kw)
         else:
             sites = read_recording(rec).sites
             if not sites:

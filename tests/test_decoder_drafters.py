@@ -18,6 +18,9 @@ import probe
 from decoder import (
     DrafterError,
     DraftModelDrafter,
+    DSparkConfig,
+    DSparkFeeder,
+    DSparkHead,
     Eagle3Config,
     Eagle3Drafter,
     HeadsTrainConfig,
@@ -25,9 +28,13 @@ from decoder import (
     MedusaConfig,
     MedusaFeeder,
     MedusaHeads,
+    MTPConfig,
+    MTPFeeder,
+    MTPHead,
     NgramDrafter,
     SpeculativeDecoder,
     fit_layer_skip,
+    kmeans_clusters,
     load_medusa,
     load_named_drafter,
     save_medusa,
@@ -38,14 +45,27 @@ from decoder import (
 PROMPTS = [[5, 17, 33, 9, 40, 41], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 8]]
 
 
+def _heads(model: torch.nn.Module, seed: int, std: float) -> dict[str, object]:
+    """Untrained (random, not zero) feature-fed heads of every kind for `model`: drafts that often disagree."""
+    torch.manual_seed(seed)
+    h, v = model.config.hidden_size, model.config.vocab_size
+    medusa = MedusaHeads(MedusaConfig(h, v, 3))
+    for block in medusa.heads:
+        torch.nn.init.normal_(block[0].linear.weight, std=std)
+    mtp = MTPHead(MTPConfig(h, 2 * h, v))
+    clustered = MTPHead(MTPConfig(h, 2 * h, v, clusters=4))
+    clustered.cluster_of.copy_(kmeans_clusters(model.get_output_embeddings().weight, 4))
+    dspark = DSparkHead(DSparkConfig(h, v, 3, rank=8))
+    for block in dspark.blocks:
+        torch.nn.init.normal_(block.linear.weight, std=std)
+    torch.nn.init.normal_(dspark.markov_up.weight, std=std)
+    return {"medusa": MedusaFeeder(medusa.bind_target(model)), "mtp": MTPFeeder(mtp.bind_target(model)),
+            "clustered": MTPFeeder(clustered.bind_target(model)), "dspark": DSparkFeeder(dspark.bind_target(model))}
+
+
 def _methods(model: torch.nn.Module) -> dict[str, object]:
-    torch.manual_seed(4)
-    heads = MedusaHeads(MedusaConfig(model.config.hidden_size, model.config.vocab_size, 3))
-    for block in heads.heads:  # random (not zero) residual blocks: heads that disagree with the target
-        torch.nn.init.normal_(block[0].linear.weight, std=0.3)
     return {"draft-model": DraftModelDrafter(build("llama", seed=1, layers=2)),
-            "layer-skip": LayerSkipDrafter(model, 5),
-            "medusa": MedusaFeeder(heads.bind_target(model))}
+            "layer-skip": LayerSkipDrafter(model, 5), **_heads(model, 4, 0.3)}
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -135,16 +155,16 @@ def _biased_verify_rows(drafts, k_rows, p, q_draft, draft_ids, d2t_ids, sampled,
     return n, torch.where(n < k_rows, redraw, nxt)
 
 
-@pytest.mark.parametrize("method", ["draft-model", "layer-skip", "medusa", "eagle3", "ngram"])
+@pytest.mark.parametrize("method", ["draft-model", "layer-skip", "medusa", "mtp", "clustered", "dspark", "eagle3",
+                                    "ngram"])
 def test_sampling_follows_the_target_and_a_biased_rule_fails(method: str, monkeypatch) -> None:  # noqa: ANN001
     model = _tiny(0, layers=6)
-    torch.manual_seed(9)
-    heads = MedusaHeads(MedusaConfig(32, V, 2))
-    for block in heads.heads:
-        torch.nn.init.normal_(block[0].linear.weight, std=0.5)
     drafter = {"draft-model": lambda: DraftModelDrafter(_tiny(1, layers=1)),
                "layer-skip": lambda: LayerSkipDrafter(model, 1),
-               "medusa": lambda: MedusaFeeder(heads.bind_target(model)),
+               "medusa": lambda: _heads(model, 9, 0.5)["medusa"],
+               "mtp": lambda: _heads(model, 9, 0.5)["mtp"],
+               "clustered": lambda: _heads(model, 9, 0.5)["clustered"],
+               "dspark": lambda: _heads(model, 9, 0.5)["dspark"],
                "eagle3": lambda: Eagle3Drafter(Eagle3Config.for_target(model.config, aux_layer_ids=[1, 2, 3]))
                .bind_target(model),
                "ngram": lambda: NgramDrafter()}[method]()
@@ -215,3 +235,41 @@ def test_layer_skip_is_chosen_from_a_measurement(tmp_path: Path) -> None:
     assert isinstance(drafter, LayerSkipDrafter) and drafter.layers == result["layers"]
     with pytest.raises(DrafterError, match="measured on a 4-layer target"):
         load_named_drafter(str(tmp_path / "ls"), build("llama", layers=6))
+
+
+@pytest.mark.parametrize("method", ["mtp", "clustered", "dspark"])
+def test_mtp_clustered_and_dspark_train_from_a_recording_and_load(tmp_path: Path, method: str) -> None:
+    from decoder import DSparkTrainConfig, MTPTrainConfig, train_dspark, train_mtp
+
+    model = build("llama", layers=3)
+    gen = torch.Generator().manual_seed(0)
+    with probe.attach(model, ["final_norm"]) as session, exporters.ArrowRecorder(session, tmp_path / "rec"):
+        for _ in range(3):
+            ids = torch.randint(3, 128, (4, 12), generator=gen)
+            model.generate(input_ids=ids, max_new_tokens=20, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    if method == "dspark":
+        m = train_dspark(model, tmp_path / "rec", tmp_path / "m", DSparkTrainConfig(steps=20, batch=64,
+                                                                                     holdout=0.25), progress=False)
+        assert len(m["heldout"]["confidence"]) == 4
+    else:
+        m = train_mtp(model, tmp_path / "rec", tmp_path / "m", MTPTrainConfig(steps=20, batch=64, holdout=0.25,
+                      clusters=8 if method == "clustered" else 0), progress=False)
+    assert m["step"] == 20 and m["heldout"]["positions"] > 0
+    drafter = load_named_drafter(str(tmp_path / "m"), model)
+    assert drafter.name == ("dspark" if method == "dspark" else "mtp")
+    ids, mask = left_padded(PROMPTS)
+    want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                          eos_token_id=None, pad_token_id=PAD)
+    with SpeculativeDecoder(model, drafter, k=3, schedule="fixed") as spec:
+        assert torch.equal(spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD).sequences, want)
+
+
+def test_clustered_head_scores_one_cluster_and_its_q_is_a_distribution() -> None:
+    model = build("llama", layers=2)
+    head = _heads(model, 0, 0.3)["clustered"].heads
+    hn = torch.randn(5, 64)
+    q = head.probs(hn)
+    torch.testing.assert_close(q.sum(-1), torch.ones(5))
+    best = head.cluster_head(hn).argmax(-1)
+    for r in range(5):  # support: exactly the best cluster's tokens
+        assert set(q[r].nonzero().flatten().tolist()) <= set((head.cluster_of == best[r]).nonzero().flatten().tolist())

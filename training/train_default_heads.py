@@ -23,7 +23,16 @@ import torch
 
 import exporters
 import probe
-from decoder import HeadsTrainConfig, MTPTrainConfig, SpeculativeDecoder, load_named_drafter, train_medusa, train_mtp
+from decoder import (
+    DSparkTrainConfig,
+    HeadsTrainConfig,
+    MTPTrainConfig,
+    SpeculativeDecoder,
+    load_named_drafter,
+    train_dspark,
+    train_medusa,
+    train_mtp,
+)
 from probebus._code_prompts import code_prompts
 from probebus._load import load_model
 from probebus.models import DEFAULT_MODEL_DIR
@@ -56,7 +65,7 @@ def evaluate(model, tok, drafter, prompts: list[str], new_tokens: int, k: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", choices=("medusa", "mtp", "clustered"), default="medusa")
+    ap.add_argument("--method", choices=("medusa", "mtp", "clustered", "dspark"), default="medusa")
     ap.add_argument("--prompts", type=int, default=1800)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
@@ -85,6 +94,9 @@ def main() -> None:
     if args.method == "medusa":
         cfg = HeadsTrainConfig(heads=args.heads, layers=args.layers, steps=args.steps)
         metrics = train_medusa(model, folder, args.out, cfg, resume=False, target_name="default")
+    elif args.method == "dspark":
+        cfg = DSparkTrainConfig(steps=args.steps)
+        metrics = train_dspark(model, folder, args.out, cfg, resume=False)
     else:
         cfg = MTPTrainConfig(clusters=args.clusters if args.method == "clustered" else 0, steps=args.steps)
         metrics = train_mtp(model, folder, args.out, cfg, resume=False)
@@ -111,6 +123,10 @@ and output head are shared, not stored. Trained with `decoder.train_mtp` ({depth
 target's output embeddings (cosine k-means), then the tokens of the best cluster scored with the
 target's own output rows ({clusters} + about {per} rows per step instead of 8,192). Same block as
 `default-mtp`; trained with `decoder.train_mtp` (cluster and within-cluster cross-entropy).""",
+    "dspark": """A DSpark-style parallel drafter on the default model's `final_norm` output: {positions} draft
+positions from one pass of parallel residual blocks, a rank-{rank} Markov term that feeds each position the
+token drafted before it, and a confidence head whose per-position acceptance estimate the scheduler uses
+to pick the verify length. Trained with `decoder.train_dspark`.""",
 }
 
 
@@ -120,6 +136,7 @@ def write_card(out: Path, card: dict) -> None:
     hold = tr.get("heldout") or {"acceptance": [], "tau": float("nan"), "positions": 0}
     what = DESCRIPTION[method].format(heads=tc.get("heads"), layers=tc.get("layers"), inter=tc.get("intermediate"),
                                       depth=tc.get("depth"), clusters=tc.get("clusters"),
+                                      positions=tc.get("positions"), rank=tc.get("rank"),
                                       per=8192 // max(tc.get("clusters") or 1, 1))
     command = f"nice -n 10 python training/train_default_heads.py --method {method}" + (
         f" --recording {rec['reused']}" if "reused" in rec else "")
