@@ -132,18 +132,18 @@ def train_medusa(target: nn.Module, recording: str | Path, out: str | Path, cfg:
 
 
 class _Bar:
-    """A rich progress bar with the loss and each head's top-1 accuracy."""
+    """A rich progress bar with the loss and the top-1 accuracy per head (or per depth / position)."""
 
-    def __init__(self, total: int, done: int) -> None:
+    def __init__(self, total: int, done: int, name: str = "train-medusa") -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.p = Progress(TextColumn("train-medusa"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        self.p = Progress(TextColumn(name), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                           TextColumn("{task.fields[info]}"))
         self.task = self.p.add_task("train", total=total, completed=done, info="")
         self.p.start()
 
     def update(self, step: int, loss: float, accs: list[float]) -> None:
-        self.p.update(self.task, completed=step, info=f"loss {loss:.3f} acc/head {' '.join(f'{a:.2f}' for a in accs)}")
+        self.p.update(self.task, completed=step, info=f"loss {loss:.3f} acc {' '.join(f'{a:.2f}' for a in accs)}")
 
     def close(self) -> None:
         self.p.stop()
@@ -261,7 +261,7 @@ def train_mtp(target: nn.Module, recording: str | Path, out: str | Path, cfg: MT
         start = int(state["step"])
     gen = torch.Generator().manual_seed(cfg.seed + start)
     metrics: dict = {"positions": len(feats), "heldout_sequences": len(held), "resumed_from": start}
-    bar = _Bar(cfg.steps, start) if progress else None
+    bar = _Bar(cfg.steps, start, "train-mtp") if progress else None
     t0 = time.perf_counter()
     for step in range(start, cfg.steps):
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
@@ -364,7 +364,7 @@ def train_dspark(target: nn.Module, recording: str | Path, out: str | Path, cfg:
         start = int(state["step"])
     gen = torch.Generator().manual_seed(cfg.seed + start)
     metrics: dict = {"positions": len(feats), "heldout_sequences": len(held), "resumed_from": start}
-    bar = _Bar(cfg.steps, start) if progress else None
+    bar = _Bar(cfg.steps, start, "train-dspark") if progress else None
     t0 = time.perf_counter()
     for step in range(start, cfg.steps):
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))

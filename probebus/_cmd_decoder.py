@@ -332,7 +332,7 @@ def _train_other(args: argparse.Namespace, model: torch.nn.Module, rec) -> int: 
         train_medusa,
         train_mtp,
     )
-    from exporters import read_recording
+    from exporters import read_table
 
     kw = {"resume": not args.no_resume, "progress": sys.stderr.isatty()}
     try:
@@ -349,7 +349,7 @@ def _train_other(args: argparse.Namespace, model: torch.nn.Module, rec) -> int: 
         elif args.method == "dspark":
             metrics = train_dspark(model, rec, args.out, DSparkTrainConfig(positions=args.heads, **common), **kw)
         else:
-            sites = read_recording(rec).sites
+            sites = sorted(set(read_table(rec, columns=["site"]).column("site").to_pylist()))
             if not sites:
                 raise UsageError(f"--recording {rec} holds no captures")
             seqs = [t for t, _ in load_site_sequences(rec, sites[:1])][:64]

@@ -98,3 +98,26 @@ def test_train_drafter_on_a_bad_recording_is_one_line(tmp_path: Path, capsys, pr
     assert main(["train-drafter", "--recording", str(rec), "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("probebus train-drafter: --recording") and "Traceback" not in err[0]
+
+
+def test_record_final_norm_then_every_head_method_on_the_command_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """`probebus record --sites final_norm`, then `train-drafter --method medusa|mtp|clustered|dspark|layer-skip`,
+    then `probebus generate --drafter OUT` with each result: the documented path for every feature-fed method."""
+    _target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def g{i}(y):\n    return y * {i}\n"}) + "\n" for i in range(8)))
+    target = str(tmp_path / "target")
+    assert main(["record", "--model", target, "--prompts", str(prompts), "--sites", "final_norm", "--out",
+                 str(tmp_path / "rec"), "--max-new-tokens", "20", "--batch-size", "4"]) == 0
+    for method in ("medusa", "mtp", "clustered", "dspark", "layer-skip"):
+        out = str(tmp_path / method)
+        assert main(["train-drafter", "--method", method, "--model", target, "--recording", str(tmp_path / "rec"),
+                     "--out", out, "--steps", "5", "--holdout", "0.25", "--clusters", "8"]) == 0, method
+        capsys.readouterr()
+        assert main(["generate", "--model", target, "--drafter", out, "--prompt", "def f(x):", "--max-new-tokens",
+                     "8", "--json", "--fixed"]) == 0, method
+        got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert len(got["token_ids"]) == 8, method
+    assert main(["generate", "--model", target, "--drafter", str(tmp_path / "mtp"), "--tree", "8", "--prompt", "x",
+                 "--max-new-tokens", "4"]) == 2
+    assert "tree drafts need EAGLE-3 or Medusa" in capsys.readouterr().err

@@ -19,6 +19,8 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
     "record_and_query.py": (["--max-new-tokens", "4", "--out", "{tmp}/rec"], ["rows in", "mean_norm", "token"]),
     "speculative.py": (["--max-new-tokens", "16"], ["local drafter:  same as generate: True",
                                                     "remote drafter: same as generate: True"]),
+    "every_drafter.py": (["--max-new-tokens", "16"], ["eagle3-tree", "draft-model", "layer-skip",
+                                                      "same as generate: True"]),
     "train_drafter.py": (["--prompts", "4", "--steps", "3", "--new-tokens", "16", "--out", "{tmp}/drafter"],
                          ["recorded", "'step': 3", "tau with the new drafter"]),
     "watch_live.py": (["--max-new-tokens", "8"], ["also try: probebus top", "done: 72 captures"]),

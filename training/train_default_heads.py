@@ -141,6 +141,9 @@ def write_card(out: Path, card: dict) -> None:
     command = f"nice -n 10 python training/train_default_heads.py --method {method}" + (
         f" --recording {rec['reused']}" if "reused" in rec else "")
     rows = f"{rec.get('rows') or 0:,} rows, " if rec.get("rows") else ""
+    conf = ("\n   Confidence head: mean estimate per position " + " / ".join(f"{c:.2f}" for c in hold["confidence"])
+            + " against observed conditional acceptance " + " / ".join(f"{c:.2f}" for c in hold["conditional"])
+            + ".") if "confidence" in hold else ""
     text = f"""# default-{method}: the {method} drafter shipped for the default model
 
 {what}
@@ -156,7 +159,7 @@ Use: `probebus generate --drafter {method}`, or `decoder.load_named_drafter("{me
    {tc["decay"]}^i: {tr["seconds"]:.0f} s. Final loss {tr["loss"]:.2f}; top-1 accuracy per depth
    {" / ".join(f"{a:.2f}" for a in tr["acc"])}.
 3. Held out ({hold["positions"]:,} positions of recorded sequences not trained on): greedy chain acceptance
-   by draft position {" / ".join(f"{a:.2f}" for a in hold["acceptance"])}, tau {hold["tau"]:.2f}.
+   by draft position {" / ".join(f"{a:.2f}" for a in hold["acceptance"])}, tau {hold["tau"]:.2f}.{conf}
    Loop on {ev["prompts"]} held-out prompts ({ev["new_tokens"]} new tokens, k = {ev["k"]}, fixed schedule,
    greedy): tau {ev["tau"]:.2f}, {ev["tokens_per_forward"]:.2f} tokens per target forward.
 
