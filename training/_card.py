@@ -105,8 +105,8 @@ def _eval_rows(info: dict[str, Any]) -> str:
         cur = format(ev[key], fmt)
         return f"| {label} | {cur} |" + (f" {format(base[key], fmt)} |" if base else "")
 
-    rows.append(row(f"held-out loss, fixed subset ({ev['eval_tokens']:,} tokens, checked by the tests)",
-                    "heldout_loss", ".4f"))
+    tested = "" if info.get("tokenizer_from") else ", checked by the tests"
+    rows.append(row(f"held-out loss, fixed subset ({ev['eval_tokens']:,} tokens{tested})", "heldout_loss", ".4f"))
     rows.append(row("held-out perplexity, fixed subset", "heldout_perplexity", ".2f"))
     rows.append(row(f"held-out loss, all {info['n_heldout']} files ({ev['full_heldout_tokens']:,} tokens)",
                     "full_heldout_loss", ".4f"))
@@ -115,6 +115,51 @@ def _eval_rows(info: dict[str, Any]) -> str:
     rows.append(f"| same score on the files' real continuations (reference) | {ev['degeneracy_reference']:.3f} |"
                 + (f" {base['degeneracy_reference']:.3f} |" if base else ""))
     return "\n".join(rows)
+
+
+def _intro(info: dict[str, Any]) -> str:
+    """Title, summary and usage: the default model, or a draft model sharing ``--tokenizer-from``'s tokenizer."""
+    a, src = info["args"], info.get("tokenizer_from")
+    summary = (
+        f"A tiny Llama-architecture causal language model (stock `transformers`\n"
+        f"`LlamaForCausalLM`, {info['params']:,} parameters, {a['layers']} decoder layers) trained\n"
+        "from scratch, on CPU, on the Python standard library's own source code."
+    )
+    if not src:
+        return f"""# probebus default model
+
+{summary} It ships with
+probebus so every command works offline; it is a test fixture and demo model, **not** a
+useful code assistant.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from probebus.models import resolve_model
+
+path = resolve_model("default")
+model = AutoModelForCausalLM.from_pretrained(path)
+tokenizer = AutoTokenizer.from_pretrained(path)
+```"""
+    return f"""# probebus draft model for `{src}`
+
+The draft model for the model in `{src}`: a small sibling for speculative decoding
+(`transformers` assisted generation, `generate(..., assistant_model=draft)`).
+{summary}
+It uses `{src}`'s tokenizer files unchanged (`tokenizer.json` is byte-identical, copied by
+`--tokenizer-from`), so both models share token ids, and the same train / held-out split
+(checked against `{src}/splits.json`). Its weights are its own (random initialisation, not
+distilled from the target). A test fixture and demo model, **not** a useful code assistant.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+DRAFT_DIR = "path/to/this/folder"
+target = AutoModelForCausalLM.from_pretrained("{src}")
+draft = AutoModelForCausalLM.from_pretrained(DRAFT_DIR)
+tokenizer = AutoTokenizer.from_pretrained("{src}")
+enc = tokenizer("def parse(source):", return_tensors="pt")
+out = target.generate(**enc, assistant_model=draft, max_new_tokens=64, do_sample=False)
+```"""
 
 
 def write_card(out: Path, info: dict[str, Any]) -> None:
@@ -137,22 +182,12 @@ def write_card(out: Path, info: dict[str, Any]) -> None:
     degen_files = "\n".join(
         f"| `{r['file']}` | {r['model']:.2f} | {r['reference']:.2f} |" for r in info["degeneracy_files"]
     )
-    card = f"""# probebus default model
-
-A tiny Llama-architecture causal language model (stock `transformers`
-`LlamaForCausalLM`, {info["params"]:,} parameters, {a["layers"]} decoder layers) trained
-from scratch, on CPU, on the Python standard library's own source code. It ships with
-probebus so every command works offline; it is a test fixture and demo model, **not** a
-useful code assistant.
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from probebus.models import resolve_model
-
-path = resolve_model("default")
-model = AutoModelForCausalLM.from_pretrained(path)
-tokenizer = AutoTokenizer.from_pretrained(path)
-```
+    tok_source = f" (the files of `{info['tokenizer_from']}`, copied unchanged)" if info.get("tokenizer_from") else ""
+    trained_for = (
+        f"trained for {info['total_seconds'] / 60:.0f} minutes" if info.get("tokenizer_from")
+        else "trained for about two hours"
+    )
+    card = f"""{_intro(info)}
 
 ## Retrain
 
@@ -186,7 +221,7 @@ Training is never run in CI. Logs: `training/logs/`.
 
 ## Tokenizer
 
-Byte-level BPE trained with `tokenizers` on the train files only: vocabulary
+Byte-level BPE{tok_source} trained with `tokenizers` on the train files only: vocabulary
 {info["vocab_size"]} (special tokens `<|pad|>`=0, `<|bos|>`=1, `<|eos|>`=2), min
 frequency {a["min_frequency"]}, GPT-2 byte-level pre-tokenisation without prefix space.
 `tokenizer(text)` prepends `<|bos|>` (as at the start of every training document);
@@ -227,7 +262,7 @@ Greedy degeneracy (`probebus.models.corpus.degeneracy` / `heldout_degeneracy`):
 
 ## Limitations
 
-Tiny, trained for about two hours of a shared 2-core CPU on a few MB of one project's code: it produces
+Tiny, {trained_for} of a shared 2-core CPU on a few MB of one project's code: it produces
 Python-looking text with plausible local syntax and identifiers, but not correct programs,
 and greedy decoding still repeats itself (see the degeneracy above). No safety tuning.
 Only for testing and demonstrating probebus.

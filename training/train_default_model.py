@@ -7,6 +7,10 @@ Usage::
     nice -n 10 python training/train_default_model.py --out /tmp/pb-stage2 --init-from /tmp/pb-stage1 --resume
     # the shipped model took three such stages: see "Training history" in probebus/models/default/README.md
     python training/train_default_model.py --out /tmp/m --steps 20 --minutes 2 --eval-every 0   # smoke run
+    # a smaller sibling with the default model's tokenizer (draft model for speculative decoding;
+    # the exact command of the shipped one is in probebus/models/default-draft-model/README.md):
+    nice -n 10 python training/train_default_model.py --out /tmp/pb-draft --tokenizer-from probebus/models/default \
+        --hidden-size 128 --layers 2 --heads 2 --intermediate-size 384 --log training/logs/draft_model_train.log
 
 Steps (all deterministic given ``--seed``, apart from floating-point
 non-determinism of multi-threaded CPU kernels and the ``--minutes`` budget):
@@ -15,7 +19,7 @@ non-determinism of multi-threaded CPU kernels and the ``--minutes`` budget):
    split by file into train / held-out (``probebus.models.corpus``);
    the split is written to ``<out>/splits.json``;
 2. tokenizer: byte-level BPE trained with ``tokenizers`` on the train files only
-   (or copied from ``--init-from``, whose split must be the same);
+   (or copied from ``--init-from`` / ``--tokenizer-from``, whose split must be the same);
 3. model: a stock ``transformers`` ``LlamaForCausalLM`` trained with AdamW (bf16
    autocast, fp32 weights), linear warmup + cosine decay, on packed sequences of
    ``[bos] file [eos]``, optionally with DITTO anti-repetition rows (``_ditto.py``);
@@ -78,6 +82,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="start from this model folder's weights and tokenizer (its architecture must match "
         "the model arguments and its splits.json this run's split) instead of random weights",
+    )
+    p.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        default=None,
+        help="copy this model folder's tokenizer files unchanged (its splits.json must match this run's "
+        "split) and train a new model of the architecture given by the model arguments from random weights",
+    )
+    p.add_argument(
+        "--log",
+        default=None,
+        help="training log recorded in eval.json's history (the script prints to stdout: tee it there); "
+        "default training/logs/default_model_train_stage<N>.log",
     )
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt if present")
     p.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
@@ -359,17 +376,32 @@ def make_optimizer(model: Any, args: argparse.Namespace):
 # --------------------------------------------------------------------------- training
 
 
-def load_init(args: argparse.Namespace, out: Path, train: list[str], heldout: list[str]):
-    """``(model, tokenizer)`` from ``--init-from``, after checking it fits this run."""
+def check_splits(flag: str, src: Path, train: list[str], heldout: list[str]) -> None:
+    """Refuse a source folder (``--init-from`` / ``--tokenizer-from``) whose split differs from this run's."""
+    src_splits = corpus.load_splits(src)
+    if src_splits["train"] != train or src_splits["heldout"] != heldout:
+        raise SystemExit(f"{flag} {src}: its splits.json differs from this run's split; refusing, "
+                         "held-out files could have been trained on")
+
+
+def copy_tokenizer(src: Path, out: Path) -> Any:
+    """Copy ``src``'s tokenizer files (byte for byte) into ``out`` and load them from there."""
     import shutil
 
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoTokenizer
+
+    if src.resolve() != out.resolve():
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(src / name, out / name)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def load_init(args: argparse.Namespace, out: Path, train: list[str], heldout: list[str]):
+    """``(model, tokenizer)`` from ``--init-from``, after checking it fits this run."""
+    from transformers import LlamaForCausalLM
 
     src: Path = args.init_from
-    init_splits = corpus.load_splits(src)
-    if init_splits["train"] != train or init_splits["heldout"] != heldout:
-        raise SystemExit(f"--init-from {src}: its splits.json differs from this run's split; refusing, "
-                         "held-out files could have been trained on")
+    check_splits("--init-from", src, train, heldout)
     model = LlamaForCausalLM.from_pretrained(src, dtype="float32")
     c = model.config
     got = (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
@@ -378,10 +410,7 @@ def load_init(args: argparse.Namespace, out: Path, train: list[str], heldout: li
             args.max_positions, args.vocab_size)
     if got != want:
         raise SystemExit(f"--init-from {src}: architecture {got} differs from the arguments {want}")
-    if src.resolve() != out.resolve():
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(src / name, out / name)
-    return model, AutoTokenizer.from_pretrained(out)
+    return model, copy_tokenizer(src, out)
 
 
 def retrain_command(args: argparse.Namespace, out: Path) -> str:
@@ -507,12 +536,22 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.ditto_rows >= args.batch_size:
         raise SystemExit("--ditto-rows must be smaller than --batch-size")
+    if args.init_from and args.tokenizer_from:
+        raise SystemExit("--init-from already brings its tokenizer; drop --tokenizer-from")
 
     root, train, heldout = select_corpus(args.heldout_percent)
     log(f"corpus: {root} -> {len(train)} train / {len(heldout)} held-out files")
     if args.init_from:
         model, tokenizer = load_init(args, out, train, heldout)
         log(f"initialised from {args.init_from}")
+    elif args.tokenizer_from:
+        check_splits("--tokenizer-from", args.tokenizer_from, train, heldout)
+        tokenizer = copy_tokenizer(args.tokenizer_from, out)
+        if len(tokenizer) != args.vocab_size:
+            raise SystemExit(f"--tokenizer-from {args.tokenizer_from}: vocabulary {len(tokenizer)}, "
+                             f"not --vocab-size {args.vocab_size}")
+        model = build_model(args, tokenizer)
+        log(f"tokenizer copied from {args.tokenizer_from}; random initialisation")
     else:
         tokenizer = train_tokenizer(root, train, args.vocab_size, args.min_frequency, out)
         model = build_model(args, tokenizer)
@@ -554,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_minutes": round(st["seconds"] / 60, 1),
         "heldout_loss": ev["heldout_loss"],
         "degeneracy": ev["degeneracy"],
-        "log": f"training/logs/default_model_train_stage{len(history) + 1}.log",
+        "log": args.log or f"training/logs/default_model_train_stage{len(history) + 1}.log",
     }]
     (out / "eval.json").write_text(json.dumps(ev, indent=1) + "\n", encoding="utf-8")
 
@@ -576,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "retrain_command": ev["history"][-1]["command"],
         "init_from": str(args.init_from) if args.init_from else None,
+        "tokenizer_from": str(args.tokenizer_from) if args.tokenizer_from else None,
         "params": params,
         "python_version": platform.python_version(),
         "n_train": len(train),
