@@ -191,7 +191,7 @@ def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float
     print(f"\n{name}, batch {batch}, T={temp:g}: {len(prompts)} prompts x {args.new_tokens} tokens, "
           f"{args.repeats} interleaved repeats, median [range]")
     print(f"  {'method':17s} {'tok/s':>7s} {'[range]':>15s} {'speedup':>8s} {'[range]':>13s} {'tau':>5s} "
-          f"{'tok/fwd':>7s} {'same':>6s}")
+          f"{'tok/fwd':>7s} {'same':>6s} {'draft/verify ms per round':>26s}")
     for m in methods:
         rs = runs[m]
         tps = [r["tokens"] / r["seconds"] for r in rs]
@@ -201,13 +201,21 @@ def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float
         print(f"  {m:17s} {statistics.median(tps):7.1f} {f'[{min(tps):.1f}-{max(tps):.1f}]':>15s} "
               f"{statistics.median(sp):7.2f}x {f'[{min(sp):.2f}-{max(sp):.2f}]':>13s} {tau:>5s} "
               f"{rs[0]['tokens'] / max(rs[0]['forwards'] * batch, 1):7.2f} "
-              f"{'-' if same is None else f'{same}/{len(ref)}':>6s}")
+              f"{'-' if same is None else f'{same}/{len(ref)}':>6s} {per_round(rs[0]['stats']):>26s}")
     if not args.no_oracle:
         o = oracle(model, tok, prompts, batch, temp, args, drafter, cost)
         print(f"  {'oracle bound':17s} {'':>7s} {'':>15s} {o['speedup']:7.2f}x {'(cost model)':>13s} {o['tau']:5.2f}"
               f"   -- auto on the same clock: {o['auto_speedup']:.2f}x")
     if batch != 1:
         print("  (HF prompt lookup and assisted generation support batch size 1 only; trees run at batch 1)")
+
+
+def per_round(stats: list) -> str:
+    """Mean milliseconds per round spent drafting and verifying (the loop's own clocks), or '-' for baselines."""
+    rounds = sum(s.rounds for s in stats)
+    if not rounds:
+        return "-"
+    return f"{sum(s.draft_s for s in stats) / rounds * 1e3:.2f} / {sum(s.verify_s for s in stats) / rounds * 1e3:.2f}"
 
 
 def _short(args: argparse.Namespace) -> argparse.Namespace:
@@ -241,7 +249,8 @@ def main(args: argparse.Namespace) -> int:
                 for batch in args.batches:
                     condition(model, tok, name, prompts, batch, temp, args, drafter, cost, remote_addr)
         for b in sorted({min(x, args.prompts) for x in args.batches}):
-            c = cost.curve(b, args.k, frozen=True)
+            longest = 24 if b == 1 and any("tree" in m for m in args.methods) else args.k  # trees verify up to 25
+            c = cost.curve(b, min(longest, len(cost.data[str(b)]["verify"]) - 1), frozen=True)
             print(f"cost curve at batch {b} (forward of L tokens / 1 token): "
                   f"{[round(x / c[0], 2) for x in c]}, 1 token = {c[0] * 1e3:.2f} ms, drafter step "
                   f"{cost.step(b, frozen=True) * 1e3:.2f} ms")

@@ -93,12 +93,7 @@ def eagle_tree(feeder, depth: int, top_k: int) -> Tree:  # noqa: ANN001 - an Eag
     d2t = feeder._d2t
     logp = feeder.logits[0, 0].float().log_softmax(-1)  # the root's children
     val, ids = logp.topk(top_k)
-    tree = Tree()
-    for v, i in zip(val.tolist(), ids.tolist(), strict=True):
-        tree.tokens.append(int(d2t[i]))
-        tree.parents.append(-1)
-        tree.depths.append(1)
-        tree.probs.append(float(torch.tensor(v).exp()))
+    tree = Tree(d2t[ids].tolist(), [-1] * top_k, [1] * top_k, val.exp().tolist())
     front = list(range(top_k))  # tree indices of the frontier nodes (one drafter row each)
     front_lp = val
     cache = _rows(feeder.cache, [0] * top_k)
@@ -106,18 +101,17 @@ def eagle_tree(feeder, depth: int, top_k: int) -> Tree:  # noqa: ANN001 - an Eag
     pos = int(feeder.fed_end[0]) + 1
     span = pos + 1
     for d in range(1, depth):
-        toks = torch.tensor([tree.tokens[i] for i in front], device=h.device)[:, None]
+        toks = torch.tensor([tree.tokens[i] for i in front], device=h.device)[:, None]  # target ids
         where = torch.full((len(front), 1), pos + d - 1, device=h.device)
         h, _, logits = feeder._step(h, toks, where, cache, span + d - 1)
         child = logits[:, 0].float().log_softmax(-1) + front_lp[:, None]  # [F, Vd] cumulative
         val, flat = child.flatten().topk(min(top_k * top_k, child.numel()))
         rows, ids = flat // child.shape[1], flat % child.shape[1]
         first = len(tree)
-        for v, r, i in zip(val.tolist(), rows.tolist(), ids.tolist(), strict=True):
-            tree.tokens.append(int(d2t[i]))
-            tree.parents.append(front[r])
-            tree.depths.append(d + 1)
-            tree.probs.append(float(torch.tensor(v).exp()))
+        tree.tokens += d2t[ids].tolist()
+        tree.parents += [front[r] for r in rows.tolist()]
+        tree.depths += [d + 1] * len(val)
+        tree.probs += val.exp().tolist()
         pick = list(range(min(top_k, len(val))))  # the best top_k candidates are the next frontier
         front = [first + j for j in pick]
         front_lp = val[: len(pick)]
