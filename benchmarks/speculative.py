@@ -9,7 +9,7 @@ bound, per prompt set, batch size and temperature.
 
 Methods (`--methods`, default: plain, HF prompt lookup, n-gram, EAGLE-3, auto): `plain`, `HF prompt lookup`,
 `HF assisted` (transformers' assistant_model with the shipped draft model, batch 1), `n-gram`, `EAGLE-3`,
-`EAGLE-3 tree`, `Medusa`, `Medusa tree`, `MTP`, `clustered`, `draft model`, `layer skip`, `auto`; `all` runs
+`EAGLE-3 tree`, `Medusa`, `Medusa tree`, `MTP`, `clustered`, `DSpark`, `draft model`, `layer skip`, `auto`; `all` runs
 every one. Chains draft a fixed k; trees choose their node count per round from the measured cost curve.
 
 Sets (benchmarks/prompts/*.jsonl, see benchmarks/_prompt_sets.py): held-out stdlib files,
@@ -70,10 +70,10 @@ def no_hooks(model: torch.nn.Module) -> bool:
     return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "clustered": "clustered",
+NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "clustered": "clustered", "DSpark": "dspark",
          "draft model": "draft-model", "layer skip": "layer-skip", "EAGLE-3 tree": "default"}
 ALL = ["plain", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3", "EAGLE-3 tree", "Medusa", "Medusa tree",
-       "MTP", "clustered", "draft model", "layer skip", "auto"]
+       "MTP", "clustered", "DSpark", "draft model", "layer skip", "auto"]
 DEFAULT = ["plain", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
 BASELINES = ("plain", "HF prompt lookup", "HF assisted")  # no probe attached, the target's own generate
 BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only
