@@ -149,10 +149,50 @@ def early_exit_view(target: nn.Module, layers: int) -> nn.Module:
 
 
 class LayerSkipDrafter(DraftModelDrafter):
-    """Self-speculative decoding: the target drafts with its first `layers` layers (early exit)."""
+    """Self-speculative decoding: the target drafts with its first `layers` layers (early exit).
+
+    The drafter reuses the target's own states: it attends to the target's KV cache of the kept layers (the
+    loop hands it the call's `Run` through `bind_run`), appends only its draft tokens there and removes them
+    again after drafting, so no committed token is ever run twice through the early layers. Without a bound
+    run (a caller of its own) it keeps a cache of its own like any draft model."""
 
     name = "layer-skip"
 
     def __init__(self, target: nn.Module, layers: int) -> None:
         super().__init__(early_exit_view(target, layers), name="layer-skip")
         self.layers = layers
+        self.run = None
+
+    def bind_run(self, run) -> None:  # noqa: ANN001 - the loop's Run of this call
+        self.run = run
+
+    @torch.no_grad()
+    def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,
+              plan: DraftPlan | None = None) -> Drafts:
+        run = self.run
+        if run is None:
+            return super().draft(feeds, toks, k, temperature, seed, plan)
+        t0 = time.perf_counter()
+        b = toks.shape[0]
+        if k == 0:
+            return Drafts.empty(b)
+        dev, cols = run.device, run.cols
+        prefix = run.mask[:, :cols]
+        base = torch.tensor(run.last, device=dev)[:, None]
+        fed = [0]
+
+        def forward(tok: torch.Tensor, i: int) -> torch.Tensor:
+            fed[0] += 1
+            mask = torch.cat([prefix, torch.ones(b, fed[0], dtype=prefix.dtype, device=dev)], 1)
+            return self.model(tok[:, None].to(dev), attention_mask=mask, position_ids=base + i,
+                              cache=run.cache, use_cache=True).logits[:, -1]
+
+        gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
+        try:
+            first = forward(toks[torch.arange(b), torch.tensor(run.last)], 0)  # the newest committed token
+            tokens, conf, q = draft_chain(first, lambda tok, i: forward(tok, i + 1), k, temperature, gen, plan)
+        finally:  # the target's cache of the kept layers loses the draft columns again
+            for layer in run.cache.layers[: self.layers]:
+                if layer.get_seq_length() > cols:
+                    layer.crop(cols - layer.get_seq_length())
+        return Drafts(tokens.cpu(), tokens, conf, q, 0.0, time.perf_counter() - t0)

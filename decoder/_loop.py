@@ -261,6 +261,8 @@ class SpeculativeDecoder:
             self.cost.ensure(run.b, k_max, self.eagle if isinstance(self.eagle, Eagle3Drafter) else None, off, on)
         if self.feeder is not None:
             self.feeder.prepare(run.b, run.cap)
+            if hasattr(self.feeder, "bind_run"):  # a drafter that reads the target's own cache (layer skip)
+                self.feeder.bind_run(run)
         if self.ngram is not None:
             run.ngram = [self.ngram.index(run.toks[r, : run.lens[r]].tolist()) for r in range(run.b)]
         if streamer is not None:
