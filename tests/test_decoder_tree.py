@@ -123,3 +123,40 @@ def test_tree_sampling_in_the_loop_is_reproducible() -> None:
         a = spec.generate(ids, mask, max_new_tokens=20, temperature=0.7, seed=3)
         b = spec.generate(ids, mask, max_new_tokens=20, temperature=0.7, seed=3)
     assert torch.equal(a.sequences, b.sequences) and a.stats.tree_rounds > 0 and a.stats.emitted == 20
+
+
+def test_tree_sampling_in_the_loop_follows_the_target_and_a_biased_rule_fails(monkeypatch) -> None:  # noqa: ANN001
+    """Batch-1 calls with Medusa trees on an 8-token target: the sampled (t2, t3) follow the target's exact joint
+    distribution (the tree's multi-draft rule, its 4-D mask, per-node positions and the branch kept in the KV
+    cache all take part), and the biased rule fails the same test."""
+    from test_decoder_drafters import _exact_pair, _p_value, _tiny
+
+    import decoder._tree_round as tree_round
+
+    model = _tiny(0, layers=2)
+    torch.manual_seed(9)
+    heads = MedusaHeads(MedusaConfig(32, 8, 3))
+    for block in heads.heads:
+        torch.nn.init.normal_(block[0].linear.weight, std=0.5)
+    prompt = [1, 2, 3, 1, 2]
+    exact = _exact_pair(model, prompt)
+
+    def pairs() -> tuple[torch.Tensor, int]:
+        counts, trees = torch.zeros(8, 8), 0
+        with SpeculativeDecoder(model, MedusaFeeder(heads.bind_target(model)), k=2, tree=6,
+                                cost=_free_verify(1, 6)) as spec:
+            for i in range(CALLS):
+                out = spec.generate(torch.tensor([prompt]), max_new_tokens=4, temperature=0.7, seed=i)
+                counts[out.sequences[0, 6], out.sequences[0, 7]] += 1
+                trees += out.stats.tree_rounds
+        return counts, trees
+
+    counts, trees = pairs()
+    assert trees >= CALLS
+    assert _p_value(counts, exact) > 1e-3
+    monkeypatch.setattr(tree_round, "verify_tree_sampling", _biased)
+    biased, _ = pairs()
+    assert _p_value(biased, exact) < 1e-6
+
+
+CALLS = 2500
