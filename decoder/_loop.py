@@ -22,14 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import probe
-
 from ._cost import CostModel
 from ._eagle import Eagle3Drafter
-from ._feeder import Drafts, EagleFeeder, Feeder
+from ._feeder import Drafts, Feeder
 from ._medusa import MedusaFeeder
 from ._ngram import NgramDrafter
 from ._sched import DraftPlan, RowFix, Scheduler
+from ._slots import open_slots
 from ._state import Run, SpecOutput, SpecStats
 from ._tree_round import supports_tree, tree_round
 from ._verify import target_probs, verify_greedy_rows, verify_rows
@@ -63,15 +62,6 @@ def _check_call(input_ids: torch.Tensor, max_new_tokens: int, streamer: object) 
         raise ValueError(f"input_ids must be [batch >= 1, length >= 1], got {tuple(input_ids.shape)}")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("a streamer needs batch size 1 (as in transformers)")
-
-
-def _feature_sites(drafter: object) -> list[str]:
-    """The probe sites a drafter reads: EAGLE-3's three `resid_pre` layers, a drafter's own `sites`, or none."""
-    if drafter is None:
-        return []
-    if hasattr(drafter, "sites"):
-        return list(drafter.sites)
-    return [f"layers.{i}.resid_pre" for i in drafter.config.aux_layer_ids]
 
 
 def _eos_list(eos: int | list[int] | None) -> list[int]:
@@ -111,34 +101,25 @@ class SpeculativeDecoder:
         self._toggle_s = 2e-3  # seconds to add or remove the probes, measured as it happens
         self._valid_on = torch.ones(1, 1, dtype=torch.bool)
         self._valid_off = torch.zeros(1, 1, dtype=torch.bool)
-        self.session = None
+        drafters = list(self.eagle) if isinstance(self.eagle, list | tuple) else \
+            ([] if self.eagle is None else [self.eagle])
+        if len(drafters) > 1 and schedule == "fixed":
+            raise ValueError("schedule='fixed' drafts with one method; 'auto' chooses among several drafters")
+        self.session, self.slots = open_slots(target, drafters, endpoint)
+        self._sites = list(dict.fromkeys(x for slot in self.slots for x in slot.sites))
+        self._tried: set[int] = set()
         self.feeder: Feeder | None = None
-        self._sites = _feature_sites(self.eagle)
-        if self.eagle is not None and hasattr(self.eagle, "check_target"):
-            self.eagle.check_target(target)
-        if self._sites:
-            self.session = probe.attach(target, self._sites, endpoint=endpoint)
-            if isinstance(self.eagle, Eagle3Drafter):
-                self.feeder = EagleFeeder(self.eagle, self.session.endpoint)
-            else:  # a Feeder of its own (RemoteEagle in another process, Medusa heads): it subscribes itself
-                self.feeder = self.eagle
-                self.feeder.connect(self.session.endpoint)
-            self.session.wait_for_subscribers(1)
-        elif self.eagle is not None:  # a drafter that reads token ids only (a draft model, layer skip)
-            if endpoint is not None:
-                raise ValueError(f"endpoint={endpoint!r}: this drafter reads no features, so no probe session runs")
-            self.feeder = self.eagle
+        self._d2t = None
+        if self.slots:
+            self._use(None, 0)
         if tree < 0 or tree_top_k < 1:
             raise ValueError(f"tree (most nodes) must be >= 0 and tree_top_k >= 1, got {tree}, {tree_top_k}")
-        if tree and not supports_tree(self.feeder):
-            raise ValueError("tree drafts need EAGLE-3 or Medusa heads (a drafter that scores alternatives); "
+        if tree and (len(self.slots) != 1 or not supports_tree(self.feeder)):
+            raise ValueError("tree drafts need EAGLE-3 or Medusa heads (one drafter that scores alternatives); "
                              "use tree=0 for this drafter")
         if tree and not isinstance(self.eagle, (Eagle3Drafter, MedusaFeeder)):
             raise ValueError("tree drafts need the drafter in this process (Eagle3Drafter or MedusaFeeder)")
         self.tree, self.tree_top_k = tree, tree_top_k
-        getter = getattr(self.feeder.drafter if isinstance(self.feeder, EagleFeeder) else self.feeder,
-                         "draft_to_target_ids", None)
-        self._d2t = getter() if getter is not None else None
 
     @property
     def endpoint(self) -> str | None:
@@ -152,12 +133,12 @@ class SpeculativeDecoder:
         return self._cost
 
     def close(self) -> None:
+        for slot in self.slots:  # first: the session then has no one to wait for at its end of stream
+            slot.feeder.close()
+        self.slots = []
         if self.session is not None:
-            self.feeder.close()  # first: the session then has no one to wait for at its end of stream
             self.session.close()
             self.session = None
-        elif self.feeder is not None:
-            self.feeder.close()
 
     def __enter__(self) -> SpeculativeDecoder:
         return self
@@ -250,19 +231,34 @@ class SpeculativeDecoder:
         # A seed reproduces the output: the schedule then depends on nothing timed or learned in earlier calls
         # (priors and the cost curve as loaded); unseeded calls adapt to measured time and keep what they learn.
         run.seeded = seed is not None
-        run.sched = Scheduler(self.k, fixed=self.sched.fixed) if run.seeded else self.sched
-        run.sched.new_call()
-        run.fix = {"eagle": RowFix(run.b), "ngram": RowFix(run.b)}
+        if not run.seeded:
+            run.scheds = self._scheds
+        else:  # fresh state per slot: nothing learned in earlier calls changes a seeded call's schedule
+            run.scheds = [Scheduler(self.k, fixed=self.sched.fixed) for _ in self._scheds]
+            for sc in run.scheds[1:]:
+                sc.ngram_calib = run.scheds[0].ngram_calib
+        for sc in run.scheds:
+            sc.new_call()
+        run.fixes = [RowFix(run.b) for _ in run.scheds]
+        run.fix = {"eagle": run.fixes[0], "ngram": RowFix(run.b)}
+        run.sched = run.scheds[0]
+        run.feeds_by = [[] for _ in run.scheds]
+        run.tried = set()
+        run.cur = 0
+        run.feeds = run.feeds_by[0]
         if self.feeder is not None or self.ngram is not None:
             off = on = None
             if self.session is not None:  # both probe states: capturing forwards cost more (the drafter skips
                 off, on = self._probes(False), self._probes(True)  # their captures: nobody told it to read them)
             k_max = max(self.k, self.tree) if self.tree and run.b == 1 else self.k
-            self.cost.ensure(run.b, k_max, self.eagle if isinstance(self.eagle, Eagle3Drafter) else None, off, on)
-        if self.feeder is not None:
-            self.feeder.prepare(run.b, run.cap)
-            if hasattr(self.feeder, "bind_run"):  # a drafter that reads the target's own cache (layer skip)
-                self.feeder.bind_run(run)
+            eagle3 = next((sl.drafter for sl in self.slots if isinstance(sl.drafter, Eagle3Drafter)), None)
+            self.cost.ensure(run.b, k_max, eagle3, off, on)
+        for slot in self.slots:
+            slot.feeder.prepare(run.b, run.cap)
+            if hasattr(slot.feeder, "bind_run"):  # a drafter that reads the target's own cache (layer skip)
+                slot.feeder.bind_run(run)
+        if self.slots:
+            self._use(run, 0)
         if self.ngram is not None:
             run.ngram = [self.ngram.index(run.toks[r, : run.lens[r]].tolist()) for r in range(run.b)]
         if streamer is not None:
@@ -272,9 +268,10 @@ class SpeculativeDecoder:
     def _prefill(self, run: Run) -> None:
         tv = time.perf_counter()
         if self.session is not None:  # the drafter wants the prompt's features, unless EAGLE-3 rests anyway
-            self._capture(run.sched.fixed or run.sched.wait < self._sleep_after(run.b))
+            self._capture(self._awake(run))
         mask, pos = run.prefill_inputs()
-        with self._context("prefill"):
+        run.seq_ids = self.session.new_seq_ids(run.b) if self.session is not None else None
+        with self._context("prefill", run):
             logits = self.target(run.input_ids.to(run.device), attention_mask=mask, position_ids=pos,
                                  cache=run.cache, use_cache=True).logits[:, -1]
         first = self._choose(run, logits).tolist()
@@ -284,7 +281,7 @@ class SpeculativeDecoder:
         run.stats.emitted = run.b
         if self.feeder is not None and self._capturing:
             lens = torch.tensor(run.lens)
-            run.feeds.append((self.session.step if self.session is not None else 0, torch.zeros_like(lens), lens - 1))
+            run.add_feed((self.session.step if self.session is not None else 0, torch.zeros_like(lens), lens - 1))
         if run.ngram is not None:
             for r, t in enumerate(first):
                 run.ngram[r].extend([t])
@@ -297,8 +294,8 @@ class SpeculativeDecoder:
         if self.feeder is None and self.ngram is None:
             return plain
         active = run.active()
+        consult = self.feeder is not None and self._pick(run)
         sched, frozen = run.sched, run.seeded
-        consult = self.feeder is not None and sched.consult_eagle()
         props, match, overlap = [[] for _ in range(b)], [0] * b, [0.0] * b
         if run.ngram is not None:
             for r in range(b):
@@ -306,9 +303,6 @@ class SpeculativeDecoder:
                     props[r], match[r] = run.ngram[r].propose(k)
                     overlap[r] = run.ngram[r].overlap
         if not consult:
-            if self.feeder is not None and len(run.feeds) >= 8:  # keep the bus drained while EAGLE-3 rests
-                run.stats.bus_s += self.feeder.draft(run.feeds, run.toks, 0, run.temperature, None, None).bus_s
-                run.feeds = []
             if not any(props):  # nothing to weigh: a plain step, without building a plan
                 return plain
         caps = [k if a else -1 for a in active] if sched.fixed else run.caps(k)
@@ -323,8 +317,9 @@ class SpeculativeDecoder:
         eagle, prefix = None, None
         if consult:
             seed = int(torch.randint(2**31 - 1, (1,), generator=run.gen)) if run.mode == "sample" else None
-            eagle = self.feeder.draft(run.feeds, run.toks, k, run.temperature, seed, plan)
-            run.feeds = []
+            with self._quiet(run):
+                eagle = self.feeder.draft(run.take_feeds(), run.toks, k, run.temperature, seed, plan)
+            run.stats.by_drafter[self.slots[run.cur].name] = run.stats.by_drafter.get(self.slots[run.cur].name, 0) + 1
             prefix = []
             for r, conf in enumerate(eagle.conf.tolist()):
                 pref, cum = [0.0], 1.0
@@ -366,8 +361,8 @@ class SpeculativeDecoder:
     def _forward(self, run: Run, drafts: RoundDrafts) -> torch.Tensor:
         inp, positions, mask = run.inputs(drafts.tokens)
         if self.session is not None:  # EAGLE-3 resting for a while: take the probes off the model meanwhile
-            self._capture(run.sched.fixed or run.sched.wait < self._sleep_after(run.b))
-        with self._context("verify", positions):
+            self._capture(self._awake(run))
+        with self._context("verify", run, positions):
             return self.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
                                use_cache=True).logits
 
@@ -392,7 +387,7 @@ class SpeculativeDecoder:
         step = self.session.step if self.session is not None else 0
         start, end = run.advance()
         if self.feeder is not None and self._capturing:
-            run.feeds.append((step, start, end))
+            run.add_feed((step, start, end))
         if run.ngram is not None:
             for r, t in enumerate(kept):
                 if t:
@@ -479,6 +474,57 @@ class SpeculativeDecoder:
                     fix.update(r, nc(m, o, i), i < n)
                     nc.update(m, o, i, i < n)
 
+    @property
+    def _scheds(self) -> list[Scheduler]:
+        """One scheduler state per model drafter (the n-gram calibration is shared); the first is `self.sched`."""
+        if len(getattr(self, "_slot_scheds", [])) != max(len(self.slots), 1):
+            self._slot_scheds = [self.sched] + [Scheduler(self.k, fixed=self.sched.fixed)
+                                                for _ in range(len(self.slots) - 1)]
+            for sc in self._slot_scheds[1:]:
+                sc.ngram_calib = self.sched.ngram_calib
+        return self._slot_scheds
+
+    def _use(self, run: Run | None, i: int) -> None:
+        """Put slot i's drafter, vocabulary map and (for a call) scheduler state and feeds in the round's hands."""
+        slot = self.slots[i]
+        self.eagle, self.feeder, self._d2t = slot.drafter, slot.feeder, slot.d2t
+        if run is not None:
+            run.cur, run.sched, run.fix["eagle"] = i, run.scheds[i], run.fixes[i]
+            run.feeds = run.feeds_by[i]
+
+    def _pick(self, run: Run) -> bool:
+        """Which model drafter this round consults, if any: every slot's wait counts down each round; among the
+        slots ready, one never tried first, then the one whose consults paid best lately. The others drain
+        their features off the bus so it never backs up."""
+        ready = [i for i, sc in enumerate(run.scheds) if sc.consult_eagle()]
+        if ready:
+            tried = run.tried if run.seeded else self._tried  # a seeded call depends on nothing learned earlier
+            i = max(ready, key=lambda j: (j not in tried, run.scheds[j].net))
+            tried.add(i)
+            self._use(run, i)
+        for j, slot in enumerate(self.slots):
+            if (not ready or j != run.cur) and len(run.feeds_by[j]) >= 8:
+                feeds, run.feeds_by[j] = run.feeds_by[j], []
+                if run.cur == j:
+                    run.feeds = run.feeds_by[j]
+                run.stats.bus_s += slot.feeder.draft(feeds, run.toks, 0, run.temperature, None, None).bus_s
+        return bool(ready)
+
+    def _quiet(self, run: Run):  # noqa: ANN202
+        """A drafter that runs the target's own modules (the target as draft model, layer skip) must not publish
+        captures on the decoder's session: its forwards run with every capture marked invalid."""
+        slot = self.slots[self._cur_slot()] if self.slots else None
+        if self.session is None or slot is None or slot.sites:
+            return contextlib.nullcontext()
+        return self.session.context(seq_ids=run.seq_ids, valid=self._valid_off)
+
+    def _cur_slot(self) -> int:
+        return next(i for i, sl in enumerate(self.slots) if sl.feeder is self.feeder)
+
+    def _awake(self, run: Run) -> bool:
+        """Keep the probes on unless every model drafter rests long enough for removing them to pay."""
+        return run.sched.fixed or min(sc.wait for sc in run.scheds) < self._sleep_after(run.b)
+
     def _sleep_after(self, batch: int) -> int:
         """Rounds of rest from which taking the probes off pays: removing and adding them back costs
         `_toggle_s` (measured), keeping them costs the capture tax every round."""
@@ -513,12 +559,14 @@ class SpeculativeDecoder:
                 self._capture(before)
         return ctx
 
-    def _context(self, phase: str, positions: torch.Tensor | None = None):  # noqa: ANN202
+    def _context(self, phase: str, run: Run, positions: torch.Tensor | None = None):  # noqa: ANN202
+        """The probes' identity for the loop's own forwards: its rows keep the sequence ids reserved at the
+        prefill, whatever else runs on the model in between (a drafter that is the target's own layers)."""
         if self.session is None:
             return contextlib.nullcontext()
         if phase == "prefill":
-            return self.session.context(phase="prefill")
-        return self.session.context(phase="verify", positions=positions,
+            return self.session.context(phase="prefill", seq_ids=run.seq_ids)
+        return self.session.context(phase="verify", seq_ids=run.seq_ids, positions=positions,
                                     valid=self._valid_on if self._capturing else self._valid_off)
 
     @staticmethod

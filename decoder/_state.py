@@ -32,6 +32,7 @@ class SpecStats:
     ngram_rounds: int = 0  # row-rounds drafted by n-gram
     plain_rounds: int = 0  # rounds with nothing drafted (a plain step)
     tree_rounds: int = 0  # rounds that verified a draft tree (batch 1 with tree=N)
+    by_drafter: dict[str, int] = field(default_factory=dict)  # rounds each model drafter was consulted
     delegated: bool = False  # the call ran as the target's own `generate` (drafting measured not to pay)
     seconds: float = 0.0
     draft_s: float = 0.0
@@ -103,11 +104,24 @@ class Run:
         self.done = [False] * b
         self.cache = DynamicCache()
         self.stats = SpecStats(batch=b, accepted_at=[0] * k, offered_at=[0] * k)
-        self.feeds: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # forwards the drafter has not read yet
+        self.feeds: list[tuple] = []  # forwards the current model drafter has not read yet (feeds_by[cur])
+        self.feeds_by: list[list[tuple]] = [self.feeds]  # per model drafter (slot)
+        self.cur = 0
         self.ngram: list | None = None
         self._tokens_ema = self._seconds_ema = 0.0
         self.no_drafts = torch.zeros(b, 0, dtype=torch.long)
         self.row_rounds = [1] * b  # rounds each row took part in (the prefill counts one)
+
+    def add_feed(self, feed: tuple) -> None:
+        """A forward every model drafter may read (each takes it when it next drafts)."""
+        for feeds in self.feeds_by:
+            feeds.append(feed)
+
+    def take_feeds(self) -> list[tuple]:
+        """The current drafter's unread forwards; its list starts over."""
+        feeds = self.feeds_by[self.cur]
+        self.feeds_by[self.cur] = self.feeds = []
+        return feeds
 
     def observe_rate(self, tokens: int, seconds: float, alpha: float = 0.1) -> None:
         """The loop's recent throughput (tokens/s over all rows), as a ratio of moving averages."""

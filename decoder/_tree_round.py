@@ -31,12 +31,11 @@ def tree_round(dec, run: Run) -> list[list[int]]:  # noqa: ANN001 - a Speculativ
     t0 = time.perf_counter()
     f = dec.feeder
     if isinstance(f, EagleFeeder):
-        run.stats.bus_s += f.absorb(run.feeds, run.toks)
+        run.stats.bus_s += f.absorb(run.take_feeds(), run.toks)
         tree = eagle_tree(f, dec.k, dec.tree_top_k)
     else:
-        f.absorb(run.feeds)
+        f.absorb(run.take_feeds())
         tree = medusa_tree(f, dec.k, dec.tree_top_k)
-    run.feeds = []
     tree = tree.within(max(run.caps(dec.k)[0], 0))
     curve = dec.cost.curve(1, dec.tree, capturing=True)
     tree = tree.top(tree.budget(curve))
@@ -48,7 +47,7 @@ def tree_round(dec, run: Run) -> list[list[int]]:  # noqa: ANN001 - a Speculativ
     ids = torch.tensor([[int(run.toks[0, last])] + tree.tokens], device=dev)
     pos = torch.tensor([[last] + [last + d for d in tree.depths]], device=dev)
     mask = tree_attention(run.mask[:, :cols], tree, next(dec.target.parameters()).dtype)
-    with dec._context("verify", (last + torch.arange(n + 1))[None].to(dev)):
+    with dec._context("verify", run, (last + torch.arange(n + 1))[None].to(dev)):
         logits = dec.target(ids, attention_mask=mask, position_ids=pos, cache=run.cache, use_cache=True).logits[0]
     if run.mode == "greedy":
         path, nxt = verify_tree_greedy(tree, logits)
@@ -63,7 +62,7 @@ def tree_round(dec, run: Run) -> list[list[int]]:  # noqa: ANN001 - a Speculativ
     real[0] = last
     for j, i in enumerate(path):
         real[i + 1] = last + 1 + j
-    run.feeds.append((step, start, end, (last, real)))
+    run.add_feed((step, start, end, (last, real)))
     if run.streamer is not None and kept[0]:
         run.streamer.put(torch.tensor(kept[0]))
     now = time.perf_counter()

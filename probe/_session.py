@@ -191,6 +191,11 @@ class ProbeSession:
         if not pub.wait_until(lambda: subscriber.presence in pub.subscribers, timeout):
             raise TimeoutError(f"the subscriber did not reach {self.endpoint} within {timeout}s")
 
+    def new_seq_ids(self, n: int) -> torch.Tensor:
+        """Reserve n sequence ids for a custom loop that passes `seq_ids` to `context()` (ids no other sequence of
+        this session gets), e.g. a loop that also runs other forwards on the model between its own steps."""
+        return torch.from_numpy(self._hooks.ids.new_seq_ids(n))
+
     @contextmanager
     def context(self, *, phase: str | None = None, seq_ids: Sequence[int] | torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Iterator[None]:

@@ -273,3 +273,56 @@ def test_clustered_head_scores_one_cluster_and_its_q_is_a_distribution() -> None
     best = head.cluster_head(hn).argmax(-1)
     for r in range(5):  # support: exactly the best cluster's tokens
         assert set(q[r].nonzero().flatten().tolist()) <= set((head.cluster_of == best[r]).nonzero().flatten().tolist())
+
+
+def _flat(batch: int, k: int) -> object:
+    from decoder import CostModel
+
+    curve = [1e-3] * (k + 1)  # verifying more tokens is free: drafting always pays (deterministic scheduling)
+    return CostModel("t", {str(batch): {"verify": curve, "verify_capturing": curve, "step": 1e-5}}, adapt=False)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_several_model_drafters_one_scheduler(batch: int) -> None:
+    """The round scheduler weighs several model drafters (and n-gram): greedy output still equals `generate`, every
+    drafter is tried, and the one whose drafts pay (the target itself as a draft model) is consulted most."""
+    model = build("llama", layers=4)
+    ids, mask = left_padded(PROMPTS[:batch])
+    want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=80, do_sample=False,
+                          eos_token_id=None, pad_token_id=PAD)
+    drafters = [_heads(model, 4, 0.3)["mtp"], DraftModelDrafter(model, name="perfect"),
+                _heads(model, 4, 0.3)["medusa"]]
+    with SpeculativeDecoder(model, "auto", eagle=drafters, k=4, cost=_flat(batch, 4)) as spec:
+        assert spec.endpoint is not None  # one probe session serves the feature-fed drafters
+        for seed in (None, 0):  # unseeded: what it learns is kept; seeded: a call of its own (never handed over)
+            out = spec.generate(ids, mask, max_new_tokens=80, pad_token_id=PAD, seed=seed)
+            assert torch.equal(out.sequences, want)
+    used = out.stats.by_drafter
+    assert set(used) == {"mtp", "perfect", "medusa"}  # each tried in the call
+    assert used["perfect"] > used["mtp"] + used["medusa"], used
+
+
+def test_several_model_drafters_sample_the_target_distribution(monkeypatch) -> None:  # noqa: ANN001
+    """Batch-1 calls whose rounds go to different drafters (each with its own q and vocabulary map) still sample
+    the target's exact joint of two tokens, and the biased rule fails the same test."""
+    model = _tiny(0, layers=6)
+    eagle = Eagle3Drafter(Eagle3Config.for_target(model.config, aux_layer_ids=[1, 2, 3])).bind_target(model)
+    drafters = [eagle, DraftModelDrafter(_tiny(1, layers=1)), _heads(model, 9, 0.5)["medusa"]]
+    prompt = [1, 2, 3, 1, 2]
+    exact = _exact_pair(model, prompt)
+
+    def pairs() -> tuple[torch.Tensor, dict]:
+        counts, used = torch.zeros(V, V), {}
+        with SpeculativeDecoder(model, drafters, k=2, cost=_flat(1, 2)) as spec:
+            for i in range(2000):
+                out = spec.generate(torch.tensor([prompt]), max_new_tokens=4, temperature=T, seed=i)
+                counts[out.sequences[0, 6], out.sequences[0, 7]] += 1
+                for name, n in out.stats.by_drafter.items():
+                    used[name] = used.get(name, 0) + n
+        return counts, used
+
+    counts, used = pairs()
+    assert len(used) == 3 and min(used.values()) > 100, used  # every drafter drafted many rounds
+    assert _p_value(counts, exact) > 1e-3
+    monkeypatch.setattr(loop, "verify_rows", _biased_verify_rows)
+    assert _p_value(pairs()[0], exact) < 1e-6
