@@ -69,8 +69,10 @@ def _eos_list(eos: int | list[int] | None) -> list[int]:
 
 
 class SpeculativeDecoder:
-    """drafter: an Eagle3Drafter, a remote Feeder (`RemoteEagle`), an NgramDrafter, "auto" (EAGLE-3 if one
-    ships with the target, plus n-gram), or None (plain steps). k is the longest draft."""
+    """drafter: an Eagle3Drafter, any other Feeder (`RemoteEagle`, Medusa/MTP/DSpark heads, a draft model, layer
+    skip), a list of them (the scheduler picks one per round), an NgramDrafter, "auto" (EAGLE-3 if one ships
+    with the target, or `eagle=` one drafter or a list, plus n-gram), or None (plain steps). k is the longest
+    draft; tree=N verifies draft trees of up to N nodes at batch 1 (EAGLE-3, Medusa)."""
 
     def __init__(self, target: nn.Module, drafter: Eagle3Drafter | Feeder | NgramDrafter | str | None = None, *,
                  k: int = 5, ngram: NgramDrafter | None = None, eagle: Eagle3Drafter | Feeder | None = None,
