@@ -9,7 +9,8 @@ bound, per prompt set, batch size and temperature.
 
 Methods (`--methods`, default: plain, HF prompt lookup, n-gram, EAGLE-3, auto): `plain`, `HF prompt lookup`,
 `HF assisted` (transformers' assistant_model with the shipped draft model, batch 1), `n-gram`, `EAGLE-3`,
-`EAGLE-3 tree`, `Medusa`, `Medusa tree`, `MTP`, `clustered`, `DSpark`, `draft model`, `layer skip`, `auto`; `all` runs
+`EAGLE-3 tree`, `Medusa`, `Medusa tree`, `MTP`, `clustered`, `DSpark`, `draft model`, `layer skip`, `auto`,
+`auto, several` (the scheduler choosing per round among EAGLE-3, MTP, clustered MTP, DSpark and n-gram); `all` runs
 every one. Chains draft a fixed k; trees choose their node count per round from the measured cost curve.
 
 Sets (benchmarks/prompts/*.jsonl, see benchmarks/_prompt_sets.py): held-out stdlib files,
@@ -73,7 +74,7 @@ def no_hooks(model: torch.nn.Module) -> bool:
 NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "clustered": "clustered", "DSpark": "dspark",
          "draft model": "draft-model", "layer skip": "layer-skip", "EAGLE-3 tree": "default"}
 ALL = ["plain", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3", "EAGLE-3 tree", "Medusa", "Medusa tree",
-       "MTP", "clustered", "DSpark", "draft model", "layer skip", "auto"]
+       "MTP", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several"]
 DEFAULT = ["plain", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
 BASELINES = ("plain", "HF prompt lookup", "HF assisted")  # no probe attached, the target's own generate
 BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only
@@ -91,6 +92,9 @@ def make(name: str, model, drafter, cost: CostModel, k: int, remote_addr: str | 
         return SpeculativeDecoder(model, RemoteEagle(remote_addr, timeout=120), k=k, schedule="fixed", cost=cost)
     if name == "auto":
         return SpeculativeDecoder(model, "auto", eagle=drafter, k=k, cost=cost)
+    if name == "auto, several":  # the scheduler weighs EAGLE-3, MTP, clustered MTP, DSpark and n-gram per round
+        several = [drafter] + [load_named_drafter(n, model) for n in ("mtp", "clustered", "dspark")]
+        return SpeculativeDecoder(model, "auto", eagle=several, k=k, cost=cost)
     raise ValueError(name)
 
 
