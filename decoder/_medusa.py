@@ -140,14 +140,21 @@ class MedusaFeeder:
         for feed in feeds:
             self._collect(feed[0], feed[2], feed[3] if len(feed) > 3 else None)
 
+    def _begin(self, feeds: list[Feed], toks: torch.Tensor) -> tuple[float, float]:
+        """(start time, bus seconds) of a draft call: the feeds' states read off the bus, and each row's newest
+        committed position (its token is the next input of a sequential head) remembered."""
+        if self.sub is None:
+            raise RuntimeError(f"the {self.name} head is not connected to a probe session (connect(endpoint) first)")
+        t0 = time.perf_counter()
+        self.absorb(feeds)
+        if feeds:
+            self.last = [min(e + 1, toks.shape[1] - 1) for e in feeds[-1][2].tolist()]
+        return t0, time.perf_counter() - t0
+
     @torch.no_grad()
     def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,
               plan: DraftPlan | None = None) -> Drafts:
-        if self.sub is None:
-            raise RuntimeError("the Medusa heads are not connected to a probe session (connect(endpoint) first)")
-        t0 = time.perf_counter()
-        self.absorb(feeds)
-        bus_s = time.perf_counter() - t0
+        t0, bus_s = self._begin(feeds, toks)
         b = toks.shape[0]
         if k == 0:
             return Drafts.empty(b, bus_s)

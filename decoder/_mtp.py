@@ -141,13 +141,7 @@ class MTPFeeder(MedusaFeeder):
     @torch.no_grad()
     def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,
               plan: DraftPlan | None = None) -> Drafts:
-        if self.sub is None:
-            raise RuntimeError("the MTP head is not connected to a probe session (connect(endpoint) first)")
-        t0 = time.perf_counter()
-        self.absorb(feeds)
-        if feeds:
-            self.last = [min(e + 1, toks.shape[1] - 1) for e in feeds[-1][2].tolist()]
-        bus_s = time.perf_counter() - t0
+        t0, bus_s = self._begin(feeds, toks)
         b = toks.shape[0]
         if k == 0:
             return Drafts.empty(b, bus_s)

@@ -67,64 +67,84 @@ def heads_acceptance(heads: MedusaHeads, feats: torch.Tensor, tgts: torch.Tensor
     return {"positions": len(feats), "acceptance": [round(a, 4) for a in acc], "tau": round(1 + sum(acc), 3)}
 
 
+def _prepare(recording: str | Path, out: str | Path, min_len: int, holdout: float,
+             seed: int) -> tuple[Path, list, list]:
+    """(output folder, created; train and held-out `final_norm` sequences of at least `min_len` tokens, the
+    hold-out fixed by the seed, which also seeds the head's initialisation)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    seqs = [s for s in load_site_sequences(recording, ["final_norm"]) if len(s[0]) >= min_len]
+    if not seqs:
+        raise ValueError(f"{recording}: no sequence of at least {min_len} tokens with final_norm")
+    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_hold = int(len(seqs) * holdout) if len(seqs) >= 4 else 0
+    return out, [seqs[i] for i in sorted(order[n_hold:])], [seqs[i] for i in order[:n_hold]]
+
+
+def _fit(module: nn.Module, loss_fn, items: int, cfg, out: Path, *, key: str, name: str, resume: bool,  # noqa: ANN001
+         progress: bool, clip: float | None) -> dict:
+    """The optimisation loop every head shares: AdamW, linear warm-up then cosine, `cfg.batch` random items per
+    step (`loss_fn(idx) -> (loss, accuracies)`), resumable from OUT/train_state.pt (saved every `save_every`)."""
+    opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=0.0)
+    state_file = out / "train_state.pt"
+    start = 0
+    if resume and state_file.is_file():
+        state = torch.load(state_file, weights_only=True)
+        module.load_state_dict(state[key])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    gen = torch.Generator().manual_seed(cfg.seed + start)
+    metrics: dict = {"resumed_from": start}
+    bar = _Bar(cfg.steps, start, name) if progress else None
+    t0 = time.perf_counter()
+    for step in range(start, cfg.steps):
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, accs = loss_fn(torch.randint(items, (cfg.batch,), generator=gen))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        opt.step()
+        metrics.update(step=step + 1, loss=float(loss.detach()), acc=[round(float(a), 3) for a in accs])
+        if bar:
+            bar.update(step + 1, metrics["loss"], metrics["acc"])
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            torch.save({key: module.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                        "config": asdict(cfg)}, state_file)
+    if bar:
+        bar.close()
+    metrics["seconds"] = time.perf_counter() - t0
+    module.eval()
+    return metrics
+
+
 def train_medusa(target: nn.Module, recording: str | Path, out: str | Path, cfg: HeadsTrainConfig | None = None, *,
                  resume: bool = True, progress: bool = True, target_name: str = "") -> dict:
     """Train and save (public Medusa layout, shared output head) Medusa heads for `target`; returns metrics."""
     cfg = cfg or HeadsTrainConfig()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    seqs = [s for s in load_site_sequences(recording, ["final_norm"]) if len(s[0]) >= cfg.heads + 3]
-    if not seqs:
-        raise ValueError(f"{recording}: no complete sequence of at least {cfg.heads + 3} tokens with final_norm")
-    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    n_hold = int(len(seqs) * cfg.holdout) if len(seqs) >= 4 else 0
-    held = [seqs[i] for i in order[:n_hold]]
-    train = [seqs[i] for i in sorted(order[n_hold:])]
+    out, train, held = _prepare(recording, out, cfg.heads + 3, cfg.holdout, cfg.seed)
     feats, tgts = _targets(train, cfg.heads)
     tc = target.config
     heads = MedusaHeads(MedusaConfig(hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
                                      medusa_num_heads=cfg.heads, medusa_num_layers=cfg.layers,
                                      base_model_name_or_path=target_name)).bind_target(target)
     weights = torch.tensor([cfg.decay ** i for i in range(cfg.heads)])
-    opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=0.0)
-    state_file = out / "train_state.pt"
-    start = 0
-    if resume and state_file.is_file():
-        state = torch.load(state_file, weights_only=True)
-        heads.load_state_dict(state["heads"])
-        opt.load_state_dict(state["optimizer"])
-        start = int(state["step"])
-    gen = torch.Generator().manual_seed(cfg.seed + start)
-    metrics: dict = {"sequences": len(train), "heldout_sequences": len(held), "positions": len(feats),
-                     "resumed_from": start}
-    bar = _Bar(cfg.steps, start) if progress else None
-    t0 = time.perf_counter()
-    for step in range(start, cfg.steps):
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        idx = torch.randint(len(feats), (cfg.batch,), generator=gen)
+
+    def loss_fn(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = heads(feats[idx].float())  # [N, K, V]
         t = tgts[idx]
         losses = torch.stack([F.cross_entropy(logits[:, i], t[:, i], ignore_index=-100) for i in range(cfg.heads)])
-        loss = (weights * losses).sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
         with torch.no_grad():
             ok = t != -100
             acc = ((logits.argmax(-1) == t) & ok).sum(0) / ok.sum(0).clamp(min=1)
-        metrics.update(step=step + 1, loss=float(loss.detach()), acc=[round(float(a), 3) for a in acc])
-        if bar:
-            bar.update(step + 1, metrics["loss"], metrics["acc"])
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
-                        "config": asdict(cfg)}, state_file)
-    if bar:
-        bar.close()
-    metrics["seconds"] = time.perf_counter() - t0
-    heads.eval()
+        return (weights * losses).sum(), acc
+
+    metrics = {"sequences": len(train), "heldout_sequences": len(held), "positions": len(feats)}
+    metrics.update(_fit(heads, loss_fn, len(feats), cfg, out, key="heads", name="train-medusa", resume=resume,
+                        progress=progress, clip=None))
     if held:
         metrics["heldout"] = heads_acceptance(heads, *_targets(held, cfg.heads))
     save_medusa(heads, out, base=target_name)
@@ -229,16 +249,8 @@ def train_mtp(target: nn.Module, recording: str | Path, out: str | Path, cfg: MT
     from ._mtp import MTPConfig, MTPHead, save_mtp
 
     cfg = cfg or MTPTrainConfig()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    seqs = [s for s in load_site_sequences(recording, ["final_norm"]) if len(s[0]) > cfg.depth + 2]
-    if not seqs:
-        raise ValueError(f"{recording}: no sequence longer than {cfg.depth + 2} tokens with final_norm")
-    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    n_hold = int(len(seqs) * cfg.holdout) if len(seqs) >= 4 else 0
-    held = [seqs[i] for i in order[:n_hold]]
-    feats, toks = _chains([seqs[i] for i in sorted(order[n_hold:])], cfg.depth)
+    out, train, held = _prepare(recording, out, cfg.depth + 3, cfg.holdout, cfg.seed)
+    feats, toks = _chains(train, cfg.depth)
     tc = target.config
     head = MTPHead(MTPConfig(tc.hidden_size, cfg.intermediate, tc.vocab_size, cfg.clusters,
                              float(getattr(tc, "rms_norm_eps", 1e-5))))
@@ -251,38 +263,9 @@ def train_mtp(target: nn.Module, recording: str | Path, out: str | Path, cfg: MT
         for row in head.members:
             ids = row[row >= 0]
             pos_in[ids] = torch.arange(len(ids))
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
-    state_file = out / "train_state.pt"
-    start = 0
-    if resume and state_file.is_file():
-        state = torch.load(state_file, weights_only=True)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["optimizer"])
-        start = int(state["step"])
-    gen = torch.Generator().manual_seed(cfg.seed + start)
-    metrics: dict = {"positions": len(feats), "heldout_sequences": len(held), "resumed_from": start}
-    bar = _Bar(cfg.steps, start, "train-mtp") if progress else None
-    t0 = time.perf_counter()
-    for step in range(start, cfg.steps):
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        idx = torch.randint(len(feats), (cfg.batch,), generator=gen)
-        loss, accs = _mtp_loss(head, feats[idx].float(), toks[idx], cfg, pos_in)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        metrics.update(step=step + 1, loss=float(loss.detach()), acc=[round(a, 3) for a in accs])
-        if bar:
-            bar.update(step + 1, metrics["loss"], metrics["acc"])
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
-                        "config": asdict(cfg)}, state_file)
-    if bar:
-        bar.close()
-    metrics["seconds"] = time.perf_counter() - t0
-    head.eval()
+    metrics = {"positions": len(feats), "heldout_sequences": len(held)}
+    metrics.update(_fit(head, lambda idx: _mtp_loss(head, feats[idx].float(), toks[idx], cfg, pos_in), len(feats),
+                        cfg, out, key="head", name="train-mtp", resume=resume, progress=progress, clip=1.0))
     if held:
         metrics["heldout"] = mtp_acceptance(head, *_chains(held, cfg.depth))
     save_mtp(head, out)
@@ -341,51 +324,14 @@ def train_dspark(target: nn.Module, recording: str | Path, out: str | Path, cfg:
     from ._dspark import DSparkConfig, DSparkHead, save_dspark
 
     cfg = cfg or DSparkTrainConfig()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    seqs = [s for s in load_site_sequences(recording, ["final_norm"]) if len(s[0]) > cfg.positions + 2]
-    if not seqs:
-        raise ValueError(f"{recording}: no sequence longer than {cfg.positions + 2} tokens with final_norm")
-    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    n_hold = int(len(seqs) * cfg.holdout) if len(seqs) >= 4 else 0
-    held = [seqs[i] for i in order[:n_hold]]
-    feats, toks = _chains([seqs[i] for i in sorted(order[n_hold:])], cfg.positions)
+    out, train, held = _prepare(recording, out, cfg.positions + 3, cfg.holdout, cfg.seed)
+    feats, toks = _chains(train, cfg.positions)
     tc = target.config
     head = DSparkHead(DSparkConfig(tc.hidden_size, tc.vocab_size, cfg.positions, cfg.rank,
                                    float(getattr(tc, "rms_norm_eps", 1e-5)))).bind_target(target)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
-    state_file = out / "train_state.pt"
-    start = 0
-    if resume and state_file.is_file():
-        state = torch.load(state_file, weights_only=True)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["optimizer"])
-        start = int(state["step"])
-    gen = torch.Generator().manual_seed(cfg.seed + start)
-    metrics: dict = {"positions": len(feats), "heldout_sequences": len(held), "resumed_from": start}
-    bar = _Bar(cfg.steps, start, "train-dspark") if progress else None
-    t0 = time.perf_counter()
-    for step in range(start, cfg.steps):
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        idx = torch.randint(len(feats), (cfg.batch,), generator=gen)
-        loss, accs = _dspark_loss(head, feats[idx].float(), toks[idx], cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        metrics.update(step=step + 1, loss=float(loss.detach()), acc=[round(a, 3) for a in accs])
-        if bar:
-            bar.update(step + 1, metrics["loss"], metrics["acc"])
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
-                        "config": asdict(cfg)}, state_file)
-    if bar:
-        bar.close()
-    metrics["seconds"] = time.perf_counter() - t0
-    head.eval()
+    metrics = {"positions": len(feats), "heldout_sequences": len(held)}
+    metrics.update(_fit(head, lambda idx: _dspark_loss(head, feats[idx].float(), toks[idx], cfg), len(feats), cfg,
+                        out, key="head", name="train-dspark", resume=resume, progress=progress, clip=1.0))
     if held:
         metrics["heldout"] = dspark_acceptance(head, *_chains(held, cfg.positions))
     save_dspark(head, out)
