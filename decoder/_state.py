@@ -28,7 +28,7 @@ class SpecStats:
     offered_at: list[int] = field(default_factory=list)
     row_rounds: int = 0  # (row, round) pairs of active rows
     drafted_row_rounds: int = 0  # ... that offered at least one draft
-    eagle_rounds: int = 0  # row-rounds drafted by EAGLE-3
+    eagle_rounds: int = 0  # row-rounds drafted by the model drafter (EAGLE-3 or any other; by_drafter says which)
     ngram_rounds: int = 0  # row-rounds drafted by n-gram
     plain_rounds: int = 0  # rounds with nothing drafted (a plain step)
     tree_rounds: int = 0  # rounds that verified a draft tree (batch 1 with tree=N)
@@ -70,7 +70,7 @@ class SpecStats:
                 "ngram_rounds", "plain_rounds", "tree_rounds", "seconds", "draft_s", "verify_s", "bus_s")
         d = {k: getattr(self, k) for k in keys}
         d.update(tau=self.tau, tau_drafted=self.tau_drafted, tokens_per_forward=self.tokens_per_forward,
-                 tokens_per_s=self.tokens_per_s, acceptance=self.acceptance)
+                 tokens_per_s=self.tokens_per_s, acceptance=self.acceptance, by_drafter=dict(self.by_drafter))
         return d
 
 

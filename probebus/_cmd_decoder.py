@@ -248,8 +248,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     print(f"{prompt}{bold}{text}{plain}", flush=True)
             if not args.json:
                 print(f"[{args.drafter}] {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, "
-                      f"{stats['tokens_per_forward']:.2f} tokens/forward, rounds: {stats['eagle_rounds']} EAGLE-3, "
-                      f"{stats['ngram_rounds']} n-gram, {stats['plain_rounds']} plain; acceptance by position "
+                      f"{stats['tokens_per_forward']:.2f} tokens/forward, rounds: {stats['eagle_rounds']} "
+                      f"{'+'.join(stats['by_drafter']) or 'model drafter'}, {stats['ngram_rounds']} n-gram, "
+                      f"{stats['tree_rounds']} tree, {stats['plain_rounds']} plain; acceptance by position "
                       f"{[round(a, 2) for a in stats['acceptance']]}", file=sys.stderr)
     if args.plot:
         from decoder._plot import plot_stats
