@@ -42,12 +42,7 @@ def draft_chain(logits: torch.Tensor, step: Callable[[torch.Tensor, int], torch.
         confs.append(conf)
         if i + 1 == k:
             break
-        if adaptive:
-            cond = [plan.conditional(c, r) for r, c in enumerate(conf.tolist())]
-            for r in range(b):
-                cum[r] *= cond[r]
-                prefix[r].append(prefix[r][-1] + cum[r])
-            if not plan.worth_another(prefix, cond):
-                break
+        if adaptive and not plan.add_step(prefix, cum, conf.tolist()):
+            break
         logits = step(tok, i)
     return torch.stack(tokens, 1), torch.stack(confs, 1).cpu(), torch.stack(qs, 1) if qs else None

@@ -28,8 +28,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import probe
-
 from ._eagle import RMSNorm
 from ._feeder import Drafts, Feed
 from ._medusa import MedusaFeeder, ResBlock
@@ -93,14 +91,6 @@ class DSparkFeeder(MedusaFeeder):
 
     name = "dspark"
     tree = False
-
-    def __init__(self, head: DSparkHead) -> None:
-        self.heads = head.eval()
-        self.sub: probe.Subscriber | None = None
-
-    def check_target(self, target: nn.Module) -> None:
-        if self.heads.head is None:
-            self.heads.bind_target(target)
 
     @torch.no_grad()
     def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,

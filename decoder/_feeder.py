@@ -209,13 +209,8 @@ class EagleFeeder:
             confs.append(conf)
             if i + 1 == k:
                 break
-            if prefix is not None:
-                cond = [plan.conditional(c, r) for r, c in enumerate(conf.tolist())]
-                for r in range(b):
-                    cum[r] *= cond[r]
-                    prefix[r].append(prefix[r][-1] + cum[r])
-                if not plan.worth_another(prefix, cond):
-                    break
+            if prefix is not None and not plan.add_step(prefix, cum, conf.tolist()):
+                break
             h, hn, logits = self._step(h, tok[:, None], pos0[:, None] + i, self.cache, span + i)
         stack = torch.stack
         return Drafts(stack(tokens, 1), stack(ids, 1), stack(confs, 1).float().cpu(),

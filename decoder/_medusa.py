@@ -107,8 +107,8 @@ class MedusaFeeder:
             self.sub = None
 
     def check_target(self, target: nn.Module) -> None:
-        if self.heads.config.shared_lm_head and self.heads.lm_head is None:
-            self.heads.bind_target(target)
+        """The heads must fit this target; binding also gives them its shared modules (the output head)."""
+        self.heads.bind_target(target)
 
     def draft_to_target_ids(self) -> torch.Tensor:
         return torch.arange(self.heads.config.vocab_size)

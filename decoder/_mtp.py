@@ -34,8 +34,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import probe
-
 from ._chain import draft_chain
 from ._eagle import RMSNorm
 from ._feeder import Drafts, Feed
@@ -129,14 +127,6 @@ class MTPFeeder(MedusaFeeder):
 
     name = "mtp"
     tree = False  # a chain drafter (its steps depend on the previous draft)
-
-    def __init__(self, head: MTPHead) -> None:
-        self.heads = head.eval()  # MedusaFeeder's bus plumbing reads `heads.config.hidden_size`
-        self.sub: probe.Subscriber | None = None
-
-    def check_target(self, target: nn.Module) -> None:
-        if self.heads.head is None:
-            self.heads.bind_target(target)
 
     @torch.no_grad()
     def draft(self, feeds: list[Feed], toks: torch.Tensor, k: int, temperature: float, seed: int | None,

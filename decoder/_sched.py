@@ -137,6 +137,15 @@ class DraftPlan:
                 top_value, top_len = value, length
         return top_value, top_len
 
+    def add_step(self, prefix: list[list[float]], cum: list[float], raw: list[float]) -> bool:
+        """Fold one drafter step's raw acceptance estimates (one per row) into the rows' running products `cum`
+        and prefix sums `prefix` (both updated in place); True if one more step would pay for itself."""
+        cond = [self.conditional(c, r) for r, c in enumerate(raw)]
+        for r, c in enumerate(cond):
+            cum[r] *= c
+            prefix[r].append(prefix[r][-1] + cum[r])
+        return self.worth_another(prefix, cond)
+
     def worth_another(self, eagle: list[list[float]], cond: list[float]) -> bool:
         """Would one more EAGLE-3 step gain more than its cost, if its conditional acceptance matched the last one?"""
         now, _ = self.best(eagle)
