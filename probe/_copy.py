@@ -8,7 +8,8 @@ On CPU, small captures (< 64 KiB) are gathered straight into the message bytes
 (`encode_envelope` joins header, token ids and rows) and ZeroMQ copies them once more
 into its own message: two memcpys of a few KiB, no allocation kept, no tracker. Large
 captures are copied once into the staging ring and sent zero-copy; a ring slot is
-reused only after ZeroMQ's tracker says the I/O thread is done with it. Copies are
+reused only once ZeroMQ has freed its message (a weak reference to the slot's array
+view dies then). Copies are
 single-threaded numpy: torch's `copy_` runs in the intra-op OpenMP pool, and an
 OpenMP region waiting on a core that a subscriber holds cost 7.8 ms instead of 13 us
 for 384 KiB (measured on the 2-core machine).
@@ -159,17 +160,17 @@ class CopyPath:
             frame = encode_envelope(self.run, key.topic, phase, dtype, step, key.layer, hidden, tokens, data.data,
                                     seq=seq, sent_ns=time.time_ns())
             pub.send(key.topic, frame, nbytes=data.nbytes, seq=seq)
-            tracker = None
+            held = None
         else:
             env = encode_envelope(self.run, key.topic, phase, dtype, step, key.layer, hidden, tokens, seq=seq,
                                   sent_ns=time.time_ns())
-            tracker = pub.send(key.topic, env, data, seq=seq)
-        if tracker is False:
-            tracker = None
+            held = pub.send(key.topic, env, data, seq=seq, track=off is None)
+        if held is False:
+            held = None
         if off is not None:
-            self.ring.release(off, tracker)
-        elif tracker is not None:  # a one-off buffer larger than the ring: memory stays bounded only if we wait
-            pub.backpressure(lambda: tracker.done)
+            self.ring.release(off, held)
+        elif held is not None:  # a one-off buffer larger than the ring: memory stays bounded only if we wait
+            pub.backpressure(lambda: held.done)
 
     def _capture_cuda(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity, index: np.ndarray | None,
                       tokens: bytes, n: int, dtype: int, nbytes: int) -> None:

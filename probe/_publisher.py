@@ -2,8 +2,9 @@
 
     pub = Publisher("ipc:///tmp/x/bus", run="r1", policy="complete", sndhwm=1024,
                     curve_secret_key=None, stall_timeout=30.0)
-    pub.send(site, frame0)                        # small capture: one copied frame
-    tracker = pub.send(site, envelope, payload)   # big capture: envelope + zero-copy payload
+    pub.send_frames([(site, frame0, nbytes, seq), ...])  # a step's small captures, bundled when it may
+    held = pub.send(site, envelope, payload)      # big capture: envelope + zero-copy payload
+    held() is None                                # ZeroMQ is done with the payload's memory
     pub.close(end_body, timeout=30.0)             # end of stream in the background
 
 There is no publisher thread: the model's thread hands each capture to ZeroMQ itself,
@@ -20,6 +21,9 @@ and each subscriber sees its own losses as sequence gaps (`SubscriberStats.misse
 `best_effort` never sets NODROP: ZeroMQ drops per subscriber at its high-water mark
 and never blocks, so one slow subscriber cannot starve the others.
 
+A step's small captures go out as one bundle (`_wire.py`) while no subscriber filters by
+site, else one message each so that ZeroMQ's per-site filtering keeps working.
+
 Subscribers announce themselves with a private presence topic (counted by
 `wait_for_subscribers`); each new one triggers the session-info broadcast. The model's
 thread reads subscription messages at step boundaries; a control thread that sleeps
@@ -34,18 +38,19 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import zmq
 
-from ._wire import END_TOPIC, INFO_TOPIC, PRESENCE, encode_control
+from ._wire import BUNDLE_MAX, END_TOPIC, INFO_TOPIC, PRESENCE, encode_bundle, encode_control
 
 # Plain ints: zmq's flags are IntFlag enums, and `|` on them costs ~0.5 us on the hot path.
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _SERVICE_EVERY_S = 0.025  # the model's thread looks for new subscriptions at most this often
 ZERO_COPY_MIN = 1 << 16  # below this a memcpy into ZeroMQ's message beats a tracker (measured 64 KiB ~ 10 us)
 _IDLE_S = 0.05  # the control thread's tick, and how recent a step must be for it to stay away
+_UNFILTERED = {b"", INFO_TOPIC, END_TOPIC}  # subscriptions of subscribers that take every site
 
 # Closed publishers whose sockets still wait for end-of-stream acknowledgements, by endpoint.
 _LINGERING: weakref.WeakValueDictionary[str, Publisher] = weakref.WeakValueDictionary()
@@ -73,6 +78,8 @@ class Publisher:
         self.bytes = 0
         self.counts: dict[bytes, int] = {}  # per site: the seq after the last published capture
         self.subscribers: set[bytes] = set()
+        self.topics: set[bytes] = set()  # distinct subscribed prefixes, presence topics aside
+        self.bundling = True  # no subscriber filters by site: a step's small captures go as one message
         self.degraded = False
         self.last_active = 0.0
         self.info_body: dict = {}
@@ -101,8 +108,18 @@ class Publisher:
         self._thread.start()
 
     # --- the model's thread ----------------------------------------------------------------
-    def send_frames(self, frames: list[tuple[bytes, bytes, int, int]]) -> None:
-        """Send one-frame captures (topic, frame, payload bytes, seq) in order, holding the lock once."""
+    def send_frames(self, frames: Sequence[tuple[bytes, bytes, int, int]]) -> None:
+        """Send one-frame captures (topic, frame, payload bytes, seq) in order: bundled, or one by one."""
+        if self.bundling and len(frames) > 1:
+            i, n = 0, len(frames)
+            while i < n:  # bundles of at most BUNDLE_MAX bytes (at least one capture each)
+                j, size = i + 1, len(frames[i][1])
+                while j < n and size + len(frames[j][1]) <= BUNDLE_MAX:
+                    size += len(frames[j][1])
+                    j += 1
+                self._send_bundle(frames[i:j])
+                i = j
+            return
         lock, sock = self.lock, self.sock
         i, n = 0, len(frames)
         while i < n:
@@ -123,31 +140,52 @@ class Publisher:
                 self.send(site, frame, nbytes=nbytes, seq=seq)
                 i += 1
 
+    def _send_bundle(self, frames: Sequence[tuple[bytes, bytes, int, int]]) -> None:
+        if len(frames) == 1:
+            site, frame, nbytes, seq = frames[0]
+            self.send(site, frame, nbytes=nbytes, seq=seq)
+            return
+        bundle = encode_bundle([f[1] for f in frames])
+        with self.lock:
+            try:
+                sent = self._send_locked(bundle, None)
+            except zmq.ZMQError:  # closed under us (close from another thread)
+                sent = False
+        if sent is False and not self._closing.is_set():
+            sent = self._wait_send(bundle, None)
+        if sent is False:
+            self.dropped += len(frames)
+            return
+        for site, _, nbytes, seq in frames:
+            self._sent(site, seq, nbytes)
+
     def _sent(self, site: bytes, seq: int, nbytes: int) -> None:
         self.counts[site] = seq + 1
         self.published += 1
         self.bytes += nbytes
 
     def send(self, site: bytes, frame0: bytes, payload: np.ndarray | None = None, nbytes: int = 0,
-             seq: int = 0) -> object:
-        """Hand one capture to ZeroMQ: False if dropped, else the payload's tracker (None when inline).
+             seq: int = 0, track: bool = False) -> object:
+        """Hand one capture to ZeroMQ: False if dropped, else a weak reference to the payload that dies
+        when ZeroMQ is done with its memory (None when the payload travels inline; with `track`, a
+        MessageTracker instead, for a caller that still holds the payload while it waits).
 
         `nbytes`: the activation bytes inside `frame0` when there is no separate payload (for stats)."""
         with self.lock:
             try:
-                sent = self._send_locked(frame0, payload)
+                sent = self._send_locked(frame0, payload, track)
             except zmq.ZMQError:  # closed under us (close from another thread)
                 sent = False
         if sent is False and not self._closing.is_set():
-            sent = self._wait_send(frame0, payload)
+            sent = self._wait_send(frame0, payload, track)
         if sent is False:
             self.dropped += 1
             return False
         self._sent(site, seq, nbytes if payload is None else payload.nbytes)
         return sent
 
-    def _send_locked(self, frame0: bytes, payload: np.ndarray | None) -> object:
-        """One message, both frames under one hold of the lock: False on EAGAIN, else a tracker or None."""
+    def _send_locked(self, frame0: bytes, payload: np.ndarray | None, track: bool = False) -> object:
+        """One message, both frames under one hold of the lock: False on EAGAIN, else a weakref or None."""
         sock = self.sock
         try:
             sock.send(frame0, _NOBLOCK | _SNDMORE if payload is not None else _NOBLOCK)
@@ -156,13 +194,18 @@ class Publisher:
         if payload is None:
             return None
         # Later parts of a message never fail: NODROP checks the high-water mark on the first only.
-        return sock.send(payload, copy=False, track=True)
+        if track:
+            return sock.send(payload, copy=False, track=True)
+        # No MessageTracker (it builds a threading.Event per send): pyzmq holds `payload` until ZeroMQ
+        # frees the message, so a weak reference to this one-off array view dies exactly then.
+        sock.send(payload, copy=False)
+        return weakref.ref(payload)
 
-    def _wait_send(self, frame0: bytes, payload: np.ndarray | None) -> object:
+    def _wait_send(self, frame0: bytes, payload: np.ndarray | None, track: bool = False) -> object:
         def attempt() -> object:
             with self.lock:
                 self._service()
-                return self._send_locked(frame0, payload)
+                return self._send_locked(frame0, payload, track)
         return self.backpressure(attempt)
 
     def backpressure(self, attempt: Callable[[], object]) -> object:
@@ -248,12 +291,19 @@ class Publisher:
                 break
             except zmq.ZMQError:
                 return
-            if msg[1:].startswith(PRESENCE):
-                if msg[:1] == b"\x01":
-                    self.subscribers.add(msg[1:])
+            topic, added = msg[1:], msg[:1] == b"\x01"
+            if topic.startswith(PRESENCE):
+                if added:
+                    self.subscribers.add(topic)
                     self._info_due = True
                 else:
-                    self.subscribers.discard(msg[1:])
+                    self.subscribers.discard(topic)
+            else:  # read before the presence that follows them: the info goes out with the right mode
+                if added:
+                    self.topics.add(topic)
+                else:
+                    self.topics.discard(topic)
+                self.bundling = self.topics <= _UNFILTERED
         if self._info_due and self.info_body:
             try:
                 # With the per-site counts so far: a late joiner starts counting losses from there.

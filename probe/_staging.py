@@ -3,14 +3,17 @@
     ring = StagingRing(64 << 20)
     off = ring.alloc(nbytes)                 # None when full
     np.copyto(ring.bytes_at(off, nbytes), rows)
-    ring.release(off, tracker)               # ZeroMQ's MessageTracker of its send (None: free at once)
+    ring.release(off, held)                  # a weakref that dies when ZeroMQ is done (None: free at once)
     ring.reclaim()                           # frees, in order, every slot ZeroMQ is done with
 
 One preallocated byte buffer used as a FIFO: allocations are contiguous and are freed
 in allocation order, so memory never fragments and staged payloads stay within
-`capacity` bytes. Only the model's thread allocates and reclaims (no lock, no other
-thread). On a CUDA model the buffer is pinned so device-to-host copies run
-asynchronously (the host does not wait for them).
+`capacity` bytes. The ring wraps back to its start early, once the live slots sit past
+`SOFT_END` and the front has room: a subscriber that keeps up then reuses the same few
+megabytes, warm in the cache, instead of touching all of `capacity` (on the 2-core VM a
+384 KiB copy into never-touched pages took 258 us, into reused ones 30 us). Only the
+model's thread allocates and reclaims (no lock, no other thread). On a CUDA model the
+buffer is pinned so device-to-host copies run asynchronously (the host does not wait).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 
 ALIGN = 64
+SOFT_END = 8 << 20  # the ring wraps early past this many bytes (or 4 captures' worth, if more)
 _STAGED = object()  # a slot whose capture has not been handed to ZeroMQ yet
 
 
@@ -32,7 +36,7 @@ class StagingRing:
         self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pinned)
         self.array = self.buffer.numpy()
         self._live: deque[tuple[int, int]] = deque()  # (offset, size) in allocation order
-        self._holds: dict[int, object] = {}  # offset -> _STAGED (not sent yet), a MessageTracker, or None
+        self._holds: dict[int, object] = {}  # offset -> _STAGED (not sent yet), a weakref, or None
         self._head = 0
 
     @property
@@ -57,6 +61,8 @@ class StagingRing:
             tail = self._live[0][0]
             if self._live[-1][0] < tail:  # wrapped: free space is [head, tail)
                 off = self._head if tail - self._head >= size else None
+            elif tail >= size and self._head + size > max(SOFT_END, 4 * size):  # wrap early: stay warm
+                off = 0
             elif cap - self._head >= size:  # free space is [head, cap) and [0, tail)
                 off = self._head
             else:
@@ -67,16 +73,16 @@ class StagingRing:
             self._holds[off] = _STAGED
         return off
 
-    def release(self, off: int, tracker: object = None) -> None:
-        """The slot at `off` may be reused once `tracker.done` (at once when None)."""
-        self._holds[off] = tracker
+    def release(self, off: int, held: object = None) -> None:
+        """The slot at `off` may be reused once the weakref `held` is dead (at once when None)."""
+        self._holds[off] = held
 
     def reclaim(self) -> int:
         """Free every leading slot whose send has completed; returns how many are still held."""
         holds, live = self._holds, self._live
         while live:
             h = holds[live[0][0]]
-            if h is _STAGED or (h is not None and not h.done):  # type: ignore[attr-defined]
+            if h is _STAGED or (h is not None and h() is not None):  # type: ignore[operator]
                 break
             del holds[live.popleft()[0]]
         return len(live)

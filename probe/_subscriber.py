@@ -27,7 +27,18 @@ import zmq
 
 from ._discovery import SessionInfo
 from ._sites import SiteMatcher
-from ._wire import CONTROL, END_TOPIC, ERROR_KINDS, INFO_TOPIC, PRESENCE, WireError, decode_control, decode_envelope
+from ._wire import (
+    BUNDLE_TOPIC,
+    CONTROL,
+    END_TOPIC,
+    ERROR_KINDS,
+    INFO_TOPIC,
+    PRESENCE,
+    WireError,
+    decode_control,
+    decode_envelope,
+    split_bundle,
+)
 
 
 class Capture:
@@ -181,15 +192,35 @@ class Subscriber:
             cap = self._handle(frames)
             if cap is not None:
                 return cap
+            if self._held:  # a bundle's captures
+                return self._held.popleft()
         return None
 
     def _handle(self, frames: list) -> Capture | None:
         buf = frames[0].buffer
         if buf[:1] == b"\x00":
+            if len(frames) == 1 and bytes(buf[: len(BUNDLE_TOPIC)]) == BUNDLE_TOPIC:
+                return self._bundle(buf)
             if len(frames) == 1 and bytes(buf[: len(CONTROL)]) == CONTROL:
                 self._control(bytes(buf))
                 return None
             return self._malformed("control", "a control message that is not one")
+        return self._accept(frames)
+
+    def _bundle(self, buf: memoryview) -> None:
+        """Unpack a bundle: its captures join `_held`, in order, behind any already waiting there."""
+        try:
+            entries = split_bundle(buf)
+        except WireError as exc:
+            return self._malformed(exc.kind, str(exc))
+        held = self._held
+        for entry in entries:
+            cap = self._accept([entry])
+            if cap is not None:
+                held.append(cap)
+        return None
+
+    def _accept(self, frames: list) -> Capture | None:
         try:
             cap = parse_capture(frames)
         except WireError as exc:

@@ -1,6 +1,6 @@
 """Wire format: captures and control messages as ZeroMQ frames, nothing pickled.
 
-A capture is one or two frames:
+A capture is one or two frames, or one entry of a bundle:
 
     frame 0  site | 0x00 | HEADER | run | tokens [| payload, when small]
     frame 1  payload (only when it is 64 KiB or more; sent zero-copy from the staging ring)
@@ -14,6 +14,16 @@ HEADER   little-endian struct: magic b"PBUS", version u16, phase u8, dtype u8,
 run      the session's run id, UTF-8.
 tokens   int64 little-endian [3, n_tokens]: seq_id, position, token_id rows.
 payload  the activations, C-contiguous [n_tokens, hidden] in `dtype`.
+
+A bundle is one frame that carries several small captures of one step:
+
+    BUNDLE_TOPIC | (length u32 | frame 0 of one capture) ...
+
+The publisher bundles a step's small captures only while no subscriber filters by site
+(every subscription is the empty prefix), so no subscriber receives data it did not
+ask for; a subscriber unpacks a bundle into the same `Capture`s, in order. One message
+per step instead of one per capture: each ZeroMQ message costs a send, a receive and,
+when the I/O thread sleeps, a wake-up on another core.
 
 Control messages are one frame, `topic + JSON`, on topics that start with 0x00 (no
 site does): INFO_TOPIC carries the session's description (sent again whenever a
@@ -37,7 +47,7 @@ from typing import NamedTuple
 import torch
 
 MAGIC = b"PBUS"
-VERSION = 2
+VERSION = 3  # 3: bundles of small captures
 HEADER = struct.Struct("<4sHBBqiIIHHQQ")
 _MAGIC_VERSION = struct.Struct("<4sH")
 
@@ -62,6 +72,9 @@ CONTROL = b"\x00probebus/"  # every control topic starts here; no site name can
 PRESENCE = CONTROL + b"subscriber/"  # + a subscriber's uuid: subscribed to, never published on
 INFO_TOPIC = CONTROL + b"info "
 END_TOPIC = CONTROL + b"end "
+BUNDLE_TOPIC = CONTROL + b"bundle "
+BUNDLE_MAX = 1 << 16  # bytes of captures per bundle: ZeroMQ's queue stays within SNDHWM x 64 KiB
+_LENGTH = struct.Struct("<I")
 
 # A concrete site name as it may appear on the wire (the grammar of probe._sites, concrete form).
 _SITE_RE = re.compile(r"(?:embed|final_norm|logits|layers\.(\d{1,6})\.[a-z_]{1,32})")
@@ -98,6 +111,31 @@ def encode_envelope(run: bytes, site: bytes, phase: int, dtype: int, step: int, 
     n = memoryview(tokens).nbytes // 24
     head = HEADER.pack(MAGIC, VERSION, phase, dtype, step, layer, hidden, n, len(run), len(site), seq, sent_ns)
     return b"".join((site, b"\x00", head, run, tokens, payload))
+
+
+def encode_bundle(frames: list[bytes]) -> bytes:
+    """One frame carrying several captures' frame 0 (each with its payload inline)."""
+    parts = [BUNDLE_TOPIC]
+    for f in frames:
+        parts += (_LENGTH.pack(len(f)), f)
+    return b"".join(parts)
+
+
+def split_bundle(buf: memoryview) -> list[memoryview]:
+    """The captures' frames inside a bundle (views); WireError when its framing is broken."""
+    at, size, out = len(BUNDLE_TOPIC), len(buf), []
+    while at < size:
+        if at + 4 > size:
+            raise WireError("truncated", "bundle ends inside an entry's length")
+        (n,) = _LENGTH.unpack_from(buf, at)
+        at += 4
+        if n == 0 or at + n > size:
+            raise WireError("length", f"bundle entry of {n} bytes at {at} does not fit its {size}-byte frame")
+        out.append(buf[at : at + n])
+        at += n
+    if not out:
+        raise WireError("length", "empty bundle")
+    return out
 
 
 _sites_seen: dict[bytes, tuple[str, int]] = {}  # validated site names -> (name, layer); bounded

@@ -189,3 +189,63 @@ def test_capture_larger_than_the_ring_is_still_delivered_under_complete() -> Non
             out = model(torch.arange(3, 43).unsqueeze(0), output_hidden_states=True)  # 40 x 64 x 4 B = 10 KiB
     (cap,) = list(sub.iter(idle_timeout=1.0))
     torch.testing.assert_close(cap.tensor, out.hidden_states[0][0])
+
+
+def test_bundles_only_while_nobody_filters_and_every_subscriber_gets_exactly_its_sites() -> None:
+    """A step's small captures travel as one message while every subscriber takes every site; a subscriber
+    that filters by site turns bundling off (ZeroMQ's per-site filter must keep working) until it leaves."""
+    import zmq
+
+    model = build("llama")
+    sites = [f"layers.{i}.resid_post" for i in range(model.config.num_hidden_layers)]
+    with probe.attach(model, "layers.*.resid_post") as session:
+        raw = zmq.Context.instance().socket(zmq.SUB)  # counts the messages on the wire
+        raw.setsockopt(zmq.SUBSCRIBE, b"")
+        raw.connect(session.endpoint)
+        everything = probe.Subscriber(session.endpoint)
+        session.wait_for(everything, timeout=10)
+        _generate(model, n=4)
+        assert session.publisher.bundling
+        filtered = probe.Subscriber(session.endpoint, sites="layers.1.resid_post")
+        session.wait_for(filtered, timeout=10)
+        _generate(model, n=4)
+        assert not session.publisher.bundling
+        filtered.close()
+        for _ in range(200):  # its unsubscription reaches the publisher at a later step or idle tick
+            session.publisher.step_done()
+            if session.publisher.bundling:
+                break
+            threading.Event().wait(0.02)
+        assert session.publisher.bundling
+        _generate(model, n=4)
+    steps = 3 * 4  # per generate: one prefill and three decode steps (the last token is not fed back)
+    caps = list(everything.iter(idle_timeout=5))
+    assert everything.ended and everything.stats.missed == 0 and everything.stats.malformed == 0
+    assert len(caps) == steps * len(sites)
+    for site in sites:
+        mine = [c.seq for c in caps if c.site == site]
+        assert mine == list(range(steps)), site
+    frames = []
+    while raw.poll(100):
+        frames.append(raw.recv_multipart())
+    data = [f for f in frames if not f[0].startswith((b"\x00probebus/info", b"\x00probebus/end"))]
+    bundles = [f for f in data if f[0].startswith(b"\x00probebus/bundle")]
+    # bundled phases: one message per step; the filtered phase: one message per capture
+    assert len(bundles) == 2 * 4 and len(data) == 2 * 4 + 4 * len(sites), (len(bundles), len(data))
+    raw.close(0)
+
+
+def test_a_filtered_subscriber_receives_its_sites_while_another_takes_everything(tmp_path: Path) -> None:
+    model = build("llama")
+    with probe.attach(model, "layers.*.resid_post") as session:
+        everything = probe.Subscriber(session.endpoint)
+        filtered = probe.Subscriber(session.endpoint, sites=["layers.0.resid_post", "layers.1.resid_post"])
+        session.wait_for(everything, timeout=10)
+        session.wait_for(filtered, timeout=10)
+        out = _generate(model, n=6)
+    all_caps = list(everything.iter(idle_timeout=5))
+    mine = list(filtered.iter(idle_timeout=5))
+    assert out.shape[1] > 6
+    assert {c.site for c in mine} == {"layers.0.resid_post", "layers.1.resid_post"}
+    assert _digest(mine) == _digest([c for c in all_caps if c.site in ("layers.0.resid_post", "layers.1.resid_post")])
+    assert filtered.stats.missed == everything.stats.missed == 0 and filtered.stats.filtered == 0

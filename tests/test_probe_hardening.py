@@ -21,7 +21,7 @@ import zmq
 from models import build
 
 import probe
-from probe._wire import ERROR_KINDS, HEADER, MAGIC, VERSION, encode_envelope
+from probe._wire import BUNDLE_TOPIC, ERROR_KINDS, HEADER, MAGIC, VERSION, encode_bundle, encode_envelope
 
 READER = textwrap.dedent("""
     import json, sys, time, probe
@@ -270,7 +270,7 @@ def test_a_hundred_thousand_hostile_frames() -> None:
     at = len(b"layers.1.resid_post") + 1
 
     def hostile(i: int) -> list[bytes]:
-        kind = i % 8
+        kind = i % 10
         if kind == 0:
             return [rng.randbytes(rng.randrange(1, 200))]
         if kind == 1:
@@ -286,6 +286,14 @@ def test_a_hundred_thousand_hostile_frames() -> None:
             return [b"layers.%d.%s" % (rng.randrange(10**7), rng.randbytes(4).hex().encode()) + good[at - 1 :]]
         if kind == 6:  # a zero byte first, like control topics, but not one of them
             return [b"\x00" + rng.randbytes(rng.randrange(0, 40)).replace(b"probebus/", b"")]
+        if kind == 8:  # a bundle whose framing lies: truncated, a zero or absurd entry length, nothing inside
+            body = encode_bundle([good, good])[len(BUNDLE_TOPIC):]
+            cut = rng.choice([c for c in range(len(body) - 1) if c != 4 + len(good)])  # not between entries
+            return [BUNDLE_TOPIC + rng.choice([body[:cut],
+                                               (0).to_bytes(4, "little") + body,
+                                               (2**32 - 1).to_bytes(4, "little") + good])]
+        if kind == 9:  # a well-framed bundle of one capture that is not one
+            return [encode_bundle([good[: at + 4] + (VERSION + 1).to_bytes(2, "little") + good[at + 6 :]])]
         return [good, good, good]
 
     before = _rss_mb()
