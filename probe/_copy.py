@@ -4,9 +4,9 @@
     path.capture(key, tensor, identity)        # from a hook, on the model's thread
     path.flush_device(block=True)              # CUDA: send what the device has copied
 
-On CPU, small captures (< 64 KiB) are gathered straight into the message bytes
-(`encode_envelope` joins header, token ids and rows) and ZeroMQ copies them once more
-into its own message: two memcpys of a few KiB, no allocation kept, no tracker. Large
+On CPU, small captures (< 64 KiB) are appended to the step's bundle (header, token ids
+and rows, copied out of the tensor at once) and ZeroMQ copies the bundle once more
+into its own message at the step's end: two memcpys of a few KiB, no tracker. Large
 captures are copied once into the staging ring and sent zero-copy; a ring slot is
 reused only once ZeroMQ has freed its message (a weak reference to the slot's array
 view dies then). Copies are
@@ -40,7 +40,7 @@ import torch
 from ._identity import StepIdentity
 from ._publisher import ZERO_COPY_MIN, Publisher
 from ._staging import StagingRing
-from ._wire import DTYPE_CODE, encode_envelope
+from ._wire import BUNDLE_MAX, BUNDLE_TOPIC, DTYPE_CODE, LENGTH, encode_envelope, encode_head
 
 
 class SiteKey(NamedTuple):
@@ -70,7 +70,8 @@ class CopyPath:
         self._cuda_device = cuda_device
         self._step_copies: list[_DeviceCopy] = []  # device copies of the running step, not yet marked
         self._device: deque[tuple[object, list[_DeviceCopy]]] = deque()  # (event after them, copies) per step
-        self._frames: list[tuple[bytes, bytes, int, int]] = []  # small captures of this step: topic, frame, bytes, seq
+        self._bundle = bytearray(BUNDLE_TOPIC)  # small captures of this step, each length-prefixed frame 0
+        self._meta: list[tuple[bytes, int, int]] = []  # and per capture in it: topic, payload bytes, seq
         self._seq: dict[bytes, int] = {}  # per site: captures staged so far (the next one's seq)
         self._warned: set[str] = set()
 
@@ -93,14 +94,23 @@ class CopyPath:
         if src.dtype == torch.bfloat16:  # numpy has no bf16: move the same bits as int16
             src = src.view(torch.int16)
         rows = src.numpy()
-        if nbytes < ZERO_COPY_MIN:  # staged as message bytes; sent with the step's others at its end
+        if nbytes < ZERO_COPY_MIN:  # copied into the step's bundle; sent with the step's others at its end
             if index is not None:
                 rows = rows.reshape(batch * seq_len, -1).take(index, axis=0)
             seq = self._seq.get(key.topic, 0)
             self._seq[key.topic] = seq + 1
-            self._frames.append((key.topic, encode_envelope(
-                self.run, key.topic, ident.phase, dtype, ident.step, key.layer, hidden, tokens,
-                np.ascontiguousarray(rows).data, seq=seq, sent_ns=time.time_ns()), nbytes, seq))
+            head = encode_head(self.run, key.topic, ident.phase, dtype, ident.step, key.layer, hidden, n, seq,
+                               time.time_ns())
+            size = len(head) + len(tokens) + nbytes
+            buf = self._bundle
+            if self._meta and len(buf) + size > BUNDLE_MAX:
+                self.flush()
+                buf = self._bundle
+            buf += LENGTH.pack(size)
+            buf += head
+            buf += tokens
+            buf += np.ascontiguousarray(rows).data
+            self._meta.append((key.topic, nbytes, seq))
             return
         rows = rows.reshape(batch * seq_len, -1)
         off, data = self._slot(nbytes)
@@ -121,10 +131,11 @@ class CopyPath:
         on the 2-core VM against ~1 us while it is awake. Sent as the layers finish, the
         8 captures of a decode step woke it 8 times; in one burst, about once.
         """
-        frames = self._frames
-        if frames:
-            self._frames = []
-            self.pub.send_frames(frames)
+        meta = self._meta
+        if meta:
+            buf = self._bundle
+            self._bundle, self._meta = bytearray(BUNDLE_TOPIC), []
+            self.pub.send_bundle(buf, meta)
 
     def _slot(self, nbytes: int) -> tuple[int | None, np.ndarray | None]:
         """(ring offset or None for a one-off buffer, the bytes to fill); (None, None) to drop."""
@@ -202,7 +213,7 @@ class CopyPath:
 
     @property
     def queued(self) -> int:
-        return sum(len(c) for _, c in self._device) + len(self._step_copies) + len(self._frames)
+        return sum(len(c) for _, c in self._device) + len(self._step_copies) + len(self._meta)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

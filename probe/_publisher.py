@@ -2,7 +2,7 @@
 
     pub = Publisher("ipc:///tmp/x/bus", run="r1", policy="complete", sndhwm=1024,
                     curve_secret_key=None, stall_timeout=30.0)
-    pub.send_frames([(site, frame0, nbytes, seq), ...])  # a step's small captures, bundled when it may
+    pub.send_bundle(bundle, [(site, nbytes, seq), ...])  # a step's small captures: one message when it may
     held = pub.send(site, envelope, payload)      # big capture: envelope + zero-copy payload
     held() is None                                # ZeroMQ is done with the payload's memory
     pub.close(end_body, timeout=30.0)             # end of stream in the background
@@ -43,14 +43,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zmq
 
-from ._wire import BUNDLE_MAX, END_TOPIC, INFO_TOPIC, PRESENCE, encode_bundle, encode_control
+from ._wire import BUNDLE_TOPIC, END_TOPIC, INFO_TOPIC, LENGTH, PRESENCE, encode_control
 
 # Plain ints: zmq's flags are IntFlag enums, and `|` on them costs ~0.5 us on the hot path.
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _SERVICE_EVERY_S = 0.025  # the model's thread looks for new subscriptions at most this often
 ZERO_COPY_MIN = 1 << 16  # below this a memcpy into ZeroMQ's message beats a tracker (measured 64 KiB ~ 10 us)
 _IDLE_S = 0.05  # the control thread's tick, and how recent a step must be for it to stay away
-_UNFILTERED = {b"", INFO_TOPIC, END_TOPIC}  # subscriptions of subscribers that take every site
+_UNFILTERED = {b"", INFO_TOPIC, END_TOPIC}
+Frame = bytes | bytearray | memoryview  # subscriptions of subscribers that take every site
 
 # Closed publishers whose sockets still wait for end-of-stream acknowledgements, by endpoint.
 _LINGERING: weakref.WeakValueDictionary[str, Publisher] = weakref.WeakValueDictionary()
@@ -108,18 +109,33 @@ class Publisher:
         self._thread.start()
 
     # --- the model's thread ----------------------------------------------------------------
-    def send_frames(self, frames: Sequence[tuple[bytes, bytes, int, int]]) -> None:
-        """Send one-frame captures (topic, frame, payload bytes, seq) in order: bundled, or one by one."""
-        if self.bundling and len(frames) > 1:
-            i, n = 0, len(frames)
-            while i < n:  # bundles of at most BUNDLE_MAX bytes (at least one capture each)
-                j, size = i + 1, len(frames[i][1])
-                while j < n and size + len(frames[j][1]) <= BUNDLE_MAX:
-                    size += len(frames[j][1])
-                    j += 1
-                self._send_bundle(frames[i:j])
-                i = j
+    def send_bundle(self, bundle: bytearray, meta: Sequence[tuple[bytes, int, int]]) -> None:
+        """Send a step's small captures: `bundle` (BUNDLE_TOPIC + length-prefixed frames) as one message
+        while nobody filters by site, else each frame alone; `meta` is (topic, payload bytes, seq) per frame."""
+        if self.bundling and len(meta) > 1:
+            with self.lock:
+                try:
+                    sent = self._send_locked(bundle, None)
+                except zmq.ZMQError:  # closed under us (close from another thread)
+                    sent = False
+            if sent is False and not self._closing.is_set():
+                sent = self._wait_send(bundle, None)
+            if sent is False:
+                self.dropped += len(meta)
+                return
+            for site, nbytes, seq in meta:
+                self._sent(site, seq, nbytes)
             return
+        view = memoryview(bundle)
+        frames, at = [], len(BUNDLE_TOPIC)
+        for site, nbytes, seq in meta:
+            (size,) = LENGTH.unpack_from(view, at)
+            frames.append((site, view[at + 4 : at + 4 + size], nbytes, seq))
+            at += 4 + size
+        self._send_each(frames)
+
+    def _send_each(self, frames: list[tuple[bytes, memoryview, int, int]]) -> None:
+        """One message per capture, in order, holding the lock once while the pipe takes them."""
         lock, sock = self.lock, self.sock
         i, n = 0, len(frames)
         while i < n:
@@ -140,31 +156,12 @@ class Publisher:
                 self.send(site, frame, nbytes=nbytes, seq=seq)
                 i += 1
 
-    def _send_bundle(self, frames: Sequence[tuple[bytes, bytes, int, int]]) -> None:
-        if len(frames) == 1:
-            site, frame, nbytes, seq = frames[0]
-            self.send(site, frame, nbytes=nbytes, seq=seq)
-            return
-        bundle = encode_bundle([f[1] for f in frames])
-        with self.lock:
-            try:
-                sent = self._send_locked(bundle, None)
-            except zmq.ZMQError:  # closed under us (close from another thread)
-                sent = False
-        if sent is False and not self._closing.is_set():
-            sent = self._wait_send(bundle, None)
-        if sent is False:
-            self.dropped += len(frames)
-            return
-        for site, _, nbytes, seq in frames:
-            self._sent(site, seq, nbytes)
-
     def _sent(self, site: bytes, seq: int, nbytes: int) -> None:
         self.counts[site] = seq + 1
         self.published += 1
         self.bytes += nbytes
 
-    def send(self, site: bytes, frame0: bytes, payload: np.ndarray | None = None, nbytes: int = 0,
+    def send(self, site: bytes, frame0: Frame, payload: np.ndarray | None = None, nbytes: int = 0,
              seq: int = 0, track: bool = False) -> object:
         """Hand one capture to ZeroMQ: False if dropped, else a weak reference to the payload that dies
         when ZeroMQ is done with its memory (None when the payload travels inline; with `track`, a
@@ -184,7 +181,7 @@ class Publisher:
         self._sent(site, seq, nbytes if payload is None else payload.nbytes)
         return sent
 
-    def _send_locked(self, frame0: bytes, payload: np.ndarray | None, track: bool = False) -> object:
+    def _send_locked(self, frame0: Frame, payload: np.ndarray | None, track: bool = False) -> object:
         """One message, both frames under one hold of the lock: False on EAGAIN, else a weakref or None."""
         sock = self.sock
         try:
@@ -201,7 +198,7 @@ class Publisher:
         sock.send(payload, copy=False)
         return weakref.ref(payload)
 
-    def _wait_send(self, frame0: bytes, payload: np.ndarray | None, track: bool = False) -> object:
+    def _wait_send(self, frame0: Frame, payload: np.ndarray | None, track: bool = False) -> object:
         def attempt() -> object:
             with self.lock:
                 self._service()

@@ -17,6 +17,11 @@ and its prompt length; identity is read from there with numpy:
   published: they are skipped (never duplicated) and counted (`recomputed`);
 - padding tokens past the scheduled count are never published.
 
+The common step, every running request decoding one token, takes a plain-Python path
+(lists from the runner's host arrays, one bytes object for the rows): inside a running
+model each numpy call costs 5-40 us because its code is cold between layers, and the
+general path below makes a few dozen of them.
+
 vLLM's decoder layers pass `(hidden_states, residual)` and fuse the residual add into
 the next norm, in place: `resid_pre`, `resid_mid` and `resid_post` are published as
 `hidden_states + residual` (a new tensor, taken before the next layer overwrites
@@ -31,6 +36,7 @@ import socket
 import tempfile
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from functools import partial
 
@@ -188,6 +194,11 @@ class VllmProbe:
         qsl = r.query_start_loc.np[: nreq + 1]
         n = int(qsl[nreq])
         padded = _num_tokens(args, n)
+        if n == nreq == padded and n:
+            fast = self._decode_step(r, ib, qsl, n)
+            if fast is not None:
+                self._idents = [fast]
+                return
         req_index = np.repeat(np.arange(nreq), np.diff(qsl))
         pos = ib.num_computed_tokens_cpu[:nreq][req_index] + (np.arange(n) - qsl[:-1][req_index])
         tokens = r.input_ids.np[:n].astype(np.int64, copy=False)
@@ -212,6 +223,28 @@ class VllmProbe:
             if mask.any():
                 self._idents.append(_flat_identity(self.step, phase, padded, n, mask, seq_ids[req_index], pos,
                                                    tokens, r.device))
+
+    def _decode_step(self, r: object, ib: object, qsl: np.ndarray, n: int) -> StepIdentity | None:
+        """Every request decodes one token, none new, none recomputed: identity in plain Python (None: the
+        general path). Nothing is changed before every check has passed."""
+        if qsl.tolist() != list(range(n + 1)):
+            return None
+        pos = ib.num_computed_tokens_cpu[:n].tolist()  # type: ignore[attr-defined]
+        prompt = ib.num_prompt_tokens[:n].tolist()  # type: ignore[attr-defined]
+        rids = ib.req_ids[:n]  # type: ignore[attr-defined]
+        seq, nxt = self._seq, self._next_pos
+        seq_ids = []
+        for rid, p, lim in zip(rids, pos, prompt, strict=True):
+            got = seq.get(rid)
+            if got is None or p < lim or p < nxt.get(rid, 0):  # new, still in its prompt, or recomputed
+                return None
+            seq_ids.append(got["seq_id"])
+        for rid, p in zip(rids, pos, strict=True):
+            nxt[rid] = p + 1
+        tok = r.input_ids.np[:n].tolist()  # type: ignore[attr-defined]
+        self.step += 1
+        return StepIdentity(self.step, DECODE, n, 1, None, np.asarray(seq_ids, dtype=np.int64), None, None,
+                            r.device, {1: (None, array("q", seq_ids + pos + tok).tobytes(), n)})  # type: ignore[attr-defined]
 
     def _seq_id(self, rid: str, first: int) -> int:
         got = self._seq.get(rid)

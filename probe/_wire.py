@@ -73,8 +73,8 @@ PRESENCE = CONTROL + b"subscriber/"  # + a subscriber's uuid: subscribed to, nev
 INFO_TOPIC = CONTROL + b"info "
 END_TOPIC = CONTROL + b"end "
 BUNDLE_TOPIC = CONTROL + b"bundle "
-BUNDLE_MAX = 1 << 16  # bytes of captures per bundle: ZeroMQ's queue stays within SNDHWM x 64 KiB
-_LENGTH = struct.Struct("<I")
+BUNDLE_MAX = 1 << 16  # bytes per bundle (one capture may exceed it alone): ZeroMQ's queue stays ~SNDHWM x 64 KiB
+LENGTH = struct.Struct("<I")
 
 # A concrete site name as it may appear on the wire (the grammar of probe._sites, concrete form).
 _SITE_RE = re.compile(r"(?:embed|final_norm|logits|layers\.(\d{1,6})\.[a-z_]{1,32})")
@@ -109,15 +109,21 @@ def encode_envelope(run: bytes, site: bytes, phase: int, dtype: int, step: int, 
                     sent_ns: int = 0) -> bytes:
     """Frame 0. `tokens` is int64 [3, n]; pass `payload` only when it travels in this frame."""
     n = memoryview(tokens).nbytes // 24
+    return b"".join((encode_head(run, site, phase, dtype, step, layer, hidden, n, seq, sent_ns), tokens, payload))
+
+
+def encode_head(run: bytes, site: bytes, phase: int, dtype: int, step: int, layer: int, hidden: int, n: int,
+                seq: int, sent_ns: int) -> bytes:
+    """The start of frame 0, up to the tokens: site | 0x00 | HEADER | run."""
     head = HEADER.pack(MAGIC, VERSION, phase, dtype, step, layer, hidden, n, len(run), len(site), seq, sent_ns)
-    return b"".join((site, b"\x00", head, run, tokens, payload))
+    return b"".join((site, b"\x00", head, run))
 
 
 def encode_bundle(frames: list[bytes]) -> bytes:
     """One frame carrying several captures' frame 0 (each with its payload inline)."""
     parts = [BUNDLE_TOPIC]
     for f in frames:
-        parts += (_LENGTH.pack(len(f)), f)
+        parts += (LENGTH.pack(len(f)), f)
     return b"".join(parts)
 
 
@@ -127,7 +133,7 @@ def split_bundle(buf: memoryview) -> list[memoryview]:
     while at < size:
         if at + 4 > size:
             raise WireError("truncated", "bundle ends inside an entry's length")
-        (n,) = _LENGTH.unpack_from(buf, at)
+        (n,) = LENGTH.unpack_from(buf, at)
         at += 4
         if n == 0 or at + n > size:
             raise WireError("length", f"bundle entry of {n} bytes at {at} does not fit its {size}-byte frame")
