@@ -23,9 +23,13 @@ model each numpy call costs 5-40 us because its code is cold between layers, and
 general path below makes a few dozen of them.
 
 vLLM's decoder layers pass `(hidden_states, residual)` and fuse the residual add into
-the next norm, in place: `resid_pre`, `resid_mid` and `resid_post` are published as
-`hidden_states + residual` (a new tensor, taken before the next layer overwrites
-either), which is exactly transformers' residual stream.
+the next norm (in place on CPU), which returns `(normed, hidden_states + residual)`:
+that second output is transformers' residual stream, so `resid_pre` and `resid_mid`
+are read from the output of the norm that starts the layer / the MLP half, and
+`resid_post` of layer i from the norm that starts layer i + 1 (the final norm after the
+last layer), copied at once before the next fused add overwrites it. No add of our own
+on the model's thread (a torch op per site per step costs 5-10 us of dispatch there);
+only a layer whose successor runs on another pipeline stage sums its pair itself.
 """
 
 from __future__ import annotations
@@ -98,13 +102,18 @@ class VllmArch:
         _, i, name = site.split(".")
         layer = self.layers[int(i)]
         if name == "resid_pre":
-            return layer.register_forward_pre_hook(partial(_summed_args, fn, key, 1))
+            return layer.input_layernorm.register_forward_hook(partial(_stream, fn, key))
         if name == "resid_post":
-            return layer.register_forward_hook(partial(_summed_out, fn, key))
+            nxt = int(i) + 1
+            if nxt < self.n_layers and nxt in self.local:
+                return self.layers[nxt].input_layernorm.register_forward_hook(partial(_stream, fn, key))
+            if nxt == self.n_layers and _is_module(self.norm):
+                return self.norm.register_forward_hook(partial(_stream, fn, key))
+            return layer.register_forward_hook(partial(_summed_out, fn, key))  # the stage ends here
         if name == "attn_out":
             return layer.self_attn.register_forward_hook(partial(_out, fn, key))
         if name == "resid_mid":
-            return layer.post_attention_layernorm.register_forward_pre_hook(partial(_summed_args, fn, key, 0))
+            return layer.post_attention_layernorm.register_forward_hook(partial(_stream, fn, key))
         if name == "mlp_out":
             return layer.mlp.register_forward_hook(partial(_out, fn, key))
         raise SiteError(f"site {site!r} is not defined for vLLM models")
@@ -127,11 +136,12 @@ def _summed_out(fn, key, module, args, output) -> None:  # noqa: ANN001
     fn(key, hidden if residual is None else hidden + residual)
 
 
-def _summed_args(fn, key, at, module, args) -> None:  # noqa: ANN001
-    hidden = args[at] if len(args) > at else None
-    residual = args[at + 1] if len(args) > at + 1 else None
-    if isinstance(hidden, torch.Tensor):
-        fn(key, hidden if residual is None else hidden + residual)
+def _stream(fn, key, module, args, output) -> None:  # noqa: ANN001
+    """A norm's view of the residual stream: its fused add's sum, or its input when it had no residual."""
+    if isinstance(output, tuple):
+        fn(key, output[1])
+    elif args and isinstance(args[0], torch.Tensor):  # layer 0 on the first stage: the embedding output
+        fn(key, args[0])
 
 
 class VllmProbe:
