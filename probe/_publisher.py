@@ -43,15 +43,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zmq
 
-from ._wire import BUNDLE_TOPIC, END_TOPIC, INFO_TOPIC, LENGTH, PRESENCE, encode_control
+from ._wire import END_TOPIC, INFO_TOPIC, PRESENCE, encode_control, split_bundle
 
 # Plain ints: zmq's flags are IntFlag enums, and `|` on them costs ~0.5 us on the hot path.
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _SERVICE_EVERY_S = 0.025  # the model's thread looks for new subscriptions at most this often
 ZERO_COPY_MIN = 1 << 16  # below this a memcpy into ZeroMQ's message beats a tracker (measured 64 KiB ~ 10 us)
 _IDLE_S = 0.05  # the control thread's tick, and how recent a step must be for it to stay away
-_UNFILTERED = {b"", INFO_TOPIC, END_TOPIC}
-Frame = bytes | bytearray | memoryview  # subscriptions of subscribers that take every site
+_UNFILTERED = {b"", INFO_TOPIC, END_TOPIC}  # subscriptions of subscribers that take every site
+Frame = bytes | bytearray | memoryview
 
 # Closed publishers whose sockets still wait for end-of-stream acknowledgements, by endpoint.
 _LINGERING: weakref.WeakValueDictionary[str, Publisher] = weakref.WeakValueDictionary()
@@ -126,13 +126,8 @@ class Publisher:
             for site, nbytes, seq in meta:
                 self._sent(site, seq, nbytes)
             return
-        view = memoryview(bundle)
-        frames, at = [], len(BUNDLE_TOPIC)
-        for site, nbytes, seq in meta:
-            (size,) = LENGTH.unpack_from(view, at)
-            frames.append((site, view[at + 4 : at + 4 + size], nbytes, seq))
-            at += 4 + size
-        self._send_each(frames)
+        entries = split_bundle(memoryview(bundle))
+        self._send_each([(site, e, nbytes, seq) for (site, nbytes, seq), e in zip(meta, entries, strict=True)])
 
     def _send_each(self, frames: list[tuple[bytes, memoryview, int, int]]) -> None:
         """One message per capture, in order, holding the lock once while the pipe takes them."""
