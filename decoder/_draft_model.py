@@ -23,6 +23,7 @@ import time
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
 
 from ._chain import draft_chain
 from ._feeder import Drafts, Feed
@@ -151,19 +152,24 @@ def early_exit_view(target: nn.Module, layers: int) -> nn.Module:
 class LayerSkipDrafter(DraftModelDrafter):
     """Self-speculative decoding: the target drafts with its first `layers` layers (early exit).
 
-    The drafter reuses the target's own states: it attends to the target's KV cache of the kept layers (the
-    loop hands it the call's `Run` through `bind_run`), appends only its draft tokens there and removes them
-    again after drafting, so no committed token is ever run twice through the early layers. Without a bound
-    run (a caller of its own) it keeps a cache of its own like any draft model."""
+    Both sides reuse each other's states (LayerSkip's self-speculation). Drafting attends to the target's own
+    KV cache of the kept layers (the loop hands it the call's `Run` through `bind_run`), so no committed token
+    runs twice through the early layers. Verification starts at layer `layers`: the draft's K/V of the kept
+    layers stay in the target's cache, and its hidden states after the last kept layer are the input of the
+    remaining ones (`verify_from_draft`), so the drafted tokens never run through the early layers a second time either.
+    Without a bound run (a caller of its own) it keeps a cache of its own like any draft model."""
 
     name = "layer-skip"
 
     def __init__(self, target: nn.Module, layers: int) -> None:
         super().__init__(early_exit_view(target, layers), name="layer-skip")
+        self.target = target
         self.layers = layers
         self.run = None
+        self._pending: tuple[int, torch.Tensor, list[torch.Tensor]] | None = None  # cols, drafts, exit states
 
     def bind_run(self, run) -> None:  # noqa: ANN001 - the loop's Run of this call
+        self._release()
         self.run = run
 
     @torch.no_grad()
@@ -172,6 +178,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         run = self.run
         if run is None:
             return super().draft(feeds, toks, k, temperature, seed, plan)
+        self._release()
         t0 = time.perf_counter()
         b = toks.shape[0]
         if k == 0:
@@ -179,20 +186,76 @@ class LayerSkipDrafter(DraftModelDrafter):
         dev, cols = run.device, run.cols
         prefix = run.mask[:, :cols]
         base = torch.tensor(run.last, device=dev)[:, None]
-        fed = [0]
+        states: list[torch.Tensor] = []  # the exit layer's output per drafted forward: verification's input
 
         def forward(tok: torch.Tensor, i: int) -> torch.Tensor:
-            fed[0] += 1
-            mask = torch.cat([prefix, torch.ones(b, fed[0], dtype=prefix.dtype, device=dev)], 1)
+            mask = torch.cat([prefix, torch.ones(b, len(states) + 1, dtype=prefix.dtype, device=dev)], 1)
             return self.model(tok[:, None].to(dev), attention_mask=mask, position_ids=base + i,
                               cache=run.cache, use_cache=True).logits[:, -1]
 
+        exit_layer = self.model.model.layers[self.layers - 1]
+        hook = exit_layer.register_forward_hook(lambda _m, _a, out: states.append(out[0] if isinstance(out, tuple)
+                                                                                   else out))
         gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
+        self._pending = (cols, torch.empty(b, 0, dtype=torch.long), states)  # `verify_from_draft` or `_release` ends it
         try:
             first = forward(toks[torch.arange(b), torch.tensor(run.last)], 0)  # the newest committed token
             tokens, conf, q = draft_chain(first, lambda tok, i: forward(tok, i + 1), k, temperature, gen, plan)
-        finally:  # the target's cache of the kept layers loses the draft columns again
-            for layer in run.cache.layers[: self.layers]:
-                if layer.get_seq_length() > cols:
-                    layer.crop(cols - layer.get_seq_length())
+        except BaseException:
+            self._release()
+            raise
+        finally:
+            hook.remove()
+        self._pending = (cols, tokens, states)
         return Drafts(tokens.cpu(), tokens, conf, q, 0.0, time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def verify_from_draft(self, run, drafts: torch.Tensor, reuse: bool = True) -> torch.Tensor | None:  # noqa: ANN001 - Run
+        """The round's verify logits [B, L, V] for [last, drafts], computed from layer `layers` on with the draft's
+        states, or None (after taking the draft's columns off the cache) when the round verifies other tokens
+        than the ones drafted, or `reuse` is off (the caller's probes must see every layer)."""
+        pending = self._pending
+        if pending is None:
+            return None
+        cols, drafted, states = pending
+        n = drafts.shape[1]
+        if not reuse or n == 0 or n > drafted.shape[1] or run.cols != cols or \
+                not torch.equal(drafts.cpu(), drafted[:, :n].cpu()):
+            self._release()
+            return None
+        self._pending = None
+        inner, length = self.target.model, n + 1
+        inp, positions, mask = run.inputs(drafts)
+        if len(states) < length:  # the last draft never ran through the kept layers: only that token does now
+            states.append(_layers(inner, 0, self.layers, inner.embed_tokens(inp[:, -1:]), positions[:, -1:], mask,
+                                  run.cache))
+        for layer in run.cache.layers[: self.layers]:  # drafted beyond what this round verifies
+            if layer.get_seq_length() > cols + length:
+                layer.crop(cols + length - layer.get_seq_length())
+        hidden = torch.cat(states[:length], 1)
+        hidden = _layers(inner, self.layers, len(inner.layers), hidden, positions, mask, run.cache)
+        return self.target.get_output_embeddings()(inner.norm(hidden))
+
+    def _release(self) -> None:
+        """Take a draft's columns off the target's cache of the kept layers (it is not verified from them)."""
+        if self._pending is None:
+            return
+        cols = self._pending[0]
+        self._pending = None
+        for layer in self.run.cache.layers[: self.layers]:
+            if layer.get_seq_length() > cols:
+                layer.crop(cols - layer.get_seq_length())
+
+
+def _layers(inner: nn.Module, lo: int, hi: int, hidden: torch.Tensor, positions: torch.Tensor,
+            mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    """Run decoder layers lo..hi-1 of a Llama-style `inner` model on `hidden` [B, L, H] at `positions`, with the
+    2-D attention mask over layer lo's cache columns plus these L (sized against layer lo: mid-round the kept
+    layers hold the draft's columns and the others do not)."""
+    causal = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=mask, cache=cache,
+                                position_ids=positions, layer_idx=lo)
+    rope = inner.rotary_emb(hidden, position_ids=positions)
+    for layer in inner.layers[lo:hi]:
+        hidden = layer(hidden, attention_mask=causal, position_embeddings=rope, position_ids=positions, cache=cache,
+                       use_cache=True)
+    return hidden

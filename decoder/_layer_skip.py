@@ -11,10 +11,12 @@ position t is accepted iff the exits at t..t+j all agree with the full model. Th
 measured on this machine: an N-layer step against a full step (both at batch 1 with a cache).
 The chosen N (and k) maximise the predicted tokens per unit time,
 
-    (1 + a_1 + ... + a_k) / (1 + k * c_N + v_{k+1} / v_1 - 1)
+    (1 + a_1 + ... + a_k) / ((k + 1) * c_N + (1 - N / L) * v_{k+1} / v_1)
 
-with a_j the chain acceptance, c_N the cost of an N-layer step relative to a full one and
-v_L the target's measured forward over L tokens.
+with a_j the chain acceptance, c_N the cost of an N-layer step relative to a full one, v_L the
+target's measured forward over L tokens, and L its layer count: k drafting steps, one N-layer
+pass for the last draft, and a verify forward that starts at layer N (the draft's states of the
+kept layers are reused, see `LayerSkipDrafter`).
 """
 
 from __future__ import annotations
@@ -57,13 +59,14 @@ def fit_layer_skip(target: nn.Module, sequences: list[torch.Tensor], out: str | 
                    k_max: int = 6, reps: int = 6) -> dict:
     """Measure every candidate layer count, pick the best (N, k), and write `out/config.json` if given."""
     acc = exit_acceptance(target, sequences, k_max)
+    n_layers = target.config.num_hidden_layers
     full = CostModel.measure(target, 1, k_max, reps=reps)["verify"]
     table = []
     for n, a in acc.items():
         c = CostModel.measure(early_exit_view(target, n), 1, 0, reps=reps)["verify"][0] / full[0]
         for k in range(1, k_max + 1):
             tokens = 1 + sum(a[:k])
-            cost = 1 + k * c + full[k] / full[0] - 1
+            cost = (k + 1) * c + (1 - n / n_layers) * full[k] / full[0]
             table.append({"layers": n, "k": k, "acceptance": [round(x, 4) for x in a[:k]],
                           "step_cost": round(c, 4), "predicted_speedup": round(tokens / cost, 4)})
     best = max(table, key=lambda r: r["predicted_speedup"])

@@ -361,6 +361,11 @@ class SpeculativeDecoder:
         return RoundDrafts(tokens, choice.k_rows, choice.methods, ids, q, sampled, eagle, props, match, overlap)
 
     def _forward(self, run: Run, drafts: RoundDrafts) -> torch.Tensor:
+        verify = getattr(self.feeder, "verify_from_draft", None)  # layer skip verifies from where its draft left off
+        if verify is not None:
+            logits = verify(run, drafts.tokens, reuse=self.session is None)  # probes must see every layer
+            if logits is not None:
+                return logits
         inp, positions, mask = run.inputs(drafts.tokens)
         if self.session is not None:  # EAGLE-3 resting for a while: take the probes off the model meanwhile
             self._capture(self._awake(run))

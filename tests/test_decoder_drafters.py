@@ -237,6 +237,32 @@ def test_layer_skip_is_chosen_from_a_measurement(tmp_path: Path) -> None:
         load_named_drafter(str(tmp_path / "ls"), build("llama", layers=6))
 
 
+def test_layer_skip_verification_starts_where_the_draft_left_off() -> None:
+    """LayerSkip's second reuse: the draft's K/V and exit states of the kept layers feed the verify forward, so after
+    the prefill the kept layers see each verified token once (in the draft, or one token-wide pass for the last
+    draft) while the later layers see the whole verify window; the output still equals plain greedy decoding."""
+    model = build("llama", layers=8)
+    ids, mask = left_padded(PROMPTS)
+    want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                          eos_token_id=None, pad_token_id=PAD)
+    seen: dict[int, list[tuple[int, int]]] = {0: [], 3: []}
+    with SpeculativeDecoder(model, LayerSkipDrafter(model, 3), k=4, schedule="fixed") as spec:
+        spec.generate(ids, mask, max_new_tokens=2, pad_token_id=PAD)  # measures the cost curve first
+        hooks = [model.model.layers[i].register_forward_pre_hook(
+            lambda _m, args, i=i: seen[i].append(tuple(args[0].shape[:2]))) for i in seen]
+        try:
+            out = spec.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD)
+        finally:
+            for h in hooks:
+                h.remove()
+    assert torch.equal(out.sequences, want)
+    early, late = seen[0][1:], seen[3][1:]  # after the prefill
+    assert early and all(q == 1 for _, q in early), "a kept layer ran a multi-token verify"
+    assert any(q == 5 for _, q in late), "the later layers verify k + 1 tokens at once"
+    assert sum(b * q for b, q in early) == sum(b * q for b, q in late) - sum(b for b, q in late if q == 1), \
+        "each verified token runs through the kept layers exactly once (drafts, then the last draft's pass)"
+
+
 @pytest.mark.parametrize("method", ["mtp", "clustered", "dspark"])
 def test_mtp_clustered_and_dspark_train_from_a_recording_and_load(tmp_path: Path, method: str) -> None:
     from decoder import DSparkTrainConfig, MTPTrainConfig, train_dspark, train_mtp
