@@ -4,7 +4,7 @@
     n = tree.budget(verify_cost)                      # how many nodes pay, from measured forward costs
     tree = tree.top(n)
     logits = target(root + tree.tokens, attention_mask=tree_attention(...), position_ids=last + depth)
-    path, nxt = verify_tree_greedy(tree, logits)      # or verify_tree_sampling(tree, p, generator)
+    path, nxt = verify_tree_greedy(tree, logits)      # T > 0: trees drawn from q, see _tree_sample.py
     keep_path(cache, cols, path)                      # the KV cache keeps the accepted branch only
 
 EAGLE-3 trees grow depth by depth: each frontier node is one row of a batched drafter step
@@ -16,12 +16,9 @@ both, the nodes kept are the most probable ones, so a node's parent is always ke
 the expected accepted length of the top n nodes is 1 + (sum of their path probabilities)
 when the draft probabilities are calibrated: `budget` weighs that against the forward's cost.
 
-Verification walks from the root. Greedy: follow the child equal to the target's argmax.
-Sampling: the children are deterministic proposals, tried in order with the point-mass rule on
-the running residual (accept x with r(x), else r(x) <- 0 and renormalise); when every child is
-rejected the next token is drawn from the residual. Each try is an exact speculative step on
-the residual, so the emitted token follows p exactly (SpecInfer's multi-draft rule with point
-masses); the walk continues from an accepted child with that child's own target distribution.
+Greedy verification walks from the root and follows the child equal to the target's argmax.
+At T > 0 the children are drawn from the drafter's q instead and verified with SpecInfer's rule
+(_tree_sample.py), so `top`/`within` refuse a sampled tree: nothing drawn may be pruned.
 """
 
 from __future__ import annotations
@@ -41,12 +38,15 @@ class Tree:
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)  # 1 for the root's children
     probs: list[float] = field(default_factory=list)  # cumulative draft probability of the path to the node
+    # sampled trees (_tree_sample.py): per parent (index + 1; 0 = the root) its q [V] and the tokens drawn from it
+    draws: dict[int, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def top(self, n: int) -> Tree:
         """The n most probable nodes (parents before children, ancestors always included)."""
+        self._prunable()
         order = sorted(range(len(self)), key=lambda i: -self.probs[i])[:n]
         keep = set(order)
         for i in order:  # ties could rank a child above its parent
@@ -61,10 +61,16 @@ class Tree:
 
     def within(self, depth: int) -> Tree:
         """The nodes at most `depth` deep (a row near its token budget cannot use deeper ones)."""
+        self._prunable()
         keep = [i for i in range(len(self)) if self.depths[i] <= depth]
         index = {old: new for new, old in enumerate(keep)}
         return Tree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
                     [self.depths[i] for i in keep], [self.probs[i] for i in keep])
+
+    def _prunable(self) -> None:
+        if self.draws:
+            raise ValueError("a sampled tree cannot be pruned after its draws: verification would see a filtered "
+                             "draw from q (decide each node's draws before drawing, as grow_sampled does)")
 
     def budget(self, verify_cost: list[float], draft_cost: float = 0.0) -> int:
         """Nodes that maximise expected tokens per second: (1 + sum of the top n path probabilities) over the cost
@@ -180,28 +186,6 @@ def verify_tree_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int
             return path, best[at]
         path.append(nxt)
         at = nxt + 1
-
-
-def verify_tree_sampling(tree: Tree, p: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
-    """p [n + 1, V] target distributions for [root, nodes] -> (accepted path, next token); exact in distribution."""
-    kids = tree.children()
-    path: list[int] = []
-    at = 0
-    while True:
-        r = p[at].clone()
-        for c in kids[at]:
-            x = tree.tokens[c]
-            mass = float(r.sum())
-            u = float(torch.rand((), generator=generator, device=r.device))
-            if mass > 0 and u * mass < float(r[x]):  # accept with probability r(x) / sum(r)
-                break
-            r[x] = 0.0
-        else:
-            if float(r.sum()) <= 0:  # only when the children held all of p's mass and all were rejected: impossible
-                r = p[at]
-            return path, int(torch.multinomial(r / r.sum(), 1, generator=generator))
-        path.append(c)
-        at = c + 1
 
 
 def keep_path(cache: DynamicCache, cols: int, path: list[int]) -> None:

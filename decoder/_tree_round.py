@@ -3,7 +3,8 @@
     kept = tree_round(decoder, run)      # what SpeculativeDecoder.generate runs per round with tree=N
 
 The node count is chosen per round from the measured cost of verifying L tokens and the tree's
-path probabilities (`Tree.budget`); zero nodes is a plain step. The target's forward carries a
+path probabilities (`Tree.budget`); zero nodes is a plain step. At T > 0 the children are drawn
+from the drafter's q and verified with SpecInfer's rule (`_tree_sample.py`). The target's forward carries a
 4-D attention mask (prefix + ancestors) and per-node positions (root position + depth), the
 probes label node j with position root + j, and the feed handed to the drafter maps those
 labels back to real positions of the accepted branch, so the drafter reads exactly the
@@ -18,7 +19,8 @@ import torch
 
 from ._feeder import EagleFeeder
 from ._state import Run
-from ._tree import eagle_tree, keep_path, medusa_tree, tree_attention, verify_tree_greedy, verify_tree_sampling
+from ._tree import eagle_tree, keep_path, medusa_tree, tree_attention, verify_tree_greedy
+from ._tree_sample import eagle_tree_sampled, medusa_tree_sampled, verify_drawn_tree
 from ._verify import target_probs
 
 
@@ -30,15 +32,19 @@ def supports_tree(feeder: object) -> bool:
 def tree_round(dec, run: Run) -> list[list[int]]:  # noqa: ANN001 - a SpeculativeDecoder
     t0 = time.perf_counter()
     f = dec.feeder
-    if isinstance(f, EagleFeeder):
+    eagle = isinstance(f, EagleFeeder)
+    if eagle:
         run.stats.bus_s += f.absorb(run.take_feeds(), run.toks)
-        tree = eagle_tree(f, dec.k, dec.tree_top_k)
     else:
         f.absorb(run.take_feeds())
-        tree = medusa_tree(f, dec.k, dec.tree_top_k)
-    tree = tree.within(max(run.caps(dec.k)[0], 0))
+    depth = max(run.caps(dec.k)[0], 0)
     curve = dec.cost.curve(1, dec.tree, capturing=True)
-    tree = tree.top(tree.budget(curve))
+    if run.mode == "sample":  # children drawn from q, sized before drawing (nothing drawn is pruned)
+        grow = eagle_tree_sampled if eagle else medusa_tree_sampled
+        tree = grow(f, depth, dec.tree_top_k, run.temperature, curve, run.gen)
+    else:
+        tree = (eagle_tree if eagle else medusa_tree)(f, dec.k, dec.tree_top_k).within(depth)
+        tree = tree.top(tree.budget(curve))
     t1 = time.perf_counter()
     n, last, cols = len(tree), run.last[0], run.cols
     run.reserve(n + 1)
@@ -52,7 +58,8 @@ def tree_round(dec, run: Run) -> list[list[int]]:  # noqa: ANN001 - a Speculativ
     if run.mode == "greedy":
         path, nxt = verify_tree_greedy(tree, logits)
     else:
-        path, nxt = verify_tree_sampling(tree, target_probs(logits, run.temperature, run.top_k, run.top_p), run.gen)
+        p = target_probs(logits, run.temperature, run.top_k, run.top_p)
+        path, nxt = verify_drawn_tree(tree, p, run.gen)
     keep_path(run.cache, cols, path)
     run.mask[:, cols: cols + len(path) + 1] = 1
     kept = run.commit([len(path)], [nxt], torch.tensor([[tree.tokens[i] for i in path]], dtype=torch.long))

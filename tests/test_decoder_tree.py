@@ -1,6 +1,7 @@
 """Tree drafts verified in one forward (batch 1): greedy output equals plain `generate` with EAGLE-3 and Medusa
-trees; the multi-draft sampling rule leaves the target distribution exact at every depth, and a biased rule
-fails the same chi-square test; batch > 1 falls back to chains and says so."""
+trees; at T > 0 trees drawn from the drafter's q and SpecInfer's rule leave the target distribution exact at every
+depth, and a rule without residual updates fails the same chi-square test; batch > 1 falls back to chains and says
+so."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from models import PAD, build, left_padded
 
 from decoder import CostModel, Eagle3Config, Eagle3Drafter, MedusaConfig, MedusaFeeder, MedusaHeads, SpeculativeDecoder
-from decoder._tree import Tree, tree_attention, verify_tree_sampling
+from decoder._tree import Tree, tree_attention
+from decoder._tree_sample import grow_sampled, verify_drawn_tree
 
 PROMPTS = [[5, 17, 33, 9, 40, 41], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 8]]
 
@@ -84,36 +86,56 @@ def _p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor((V - 1) / 2, dtype=torch.float64), chi2 / 2))
 
 
-def _biased(tree: Tree, p: torch.Tensor, generator: torch.Generator) -> tuple[list[int], int]:
-    """A classic bug: each child accepted with p(x) (not the running residual), the fallback drawn from p."""
-    kids = tree.children()
-    for c in kids[0]:
-        if float(torch.rand((), generator=generator)) < float(p[0, tree.tokens[c]]):
-            return [c], int(torch.multinomial(p[c + 1], 1, generator=generator))
-    return [], int(torch.multinomial(p[0], 1, generator=generator))
+def _biased_drawn(tree: Tree, p: torch.Tensor, generator: torch.Generator) -> tuple[list[int], int]:
+    """A classic multi-draft bug: each draw tried with min(1, p(x) / q(x)) against p itself, the residual never
+    updated after a rejection, the fallback drawn from p."""
+    child = {(par + 1, tok): i for i, (tok, par) in enumerate(zip(tree.tokens, tree.parents, strict=True))}
+    path, at = [], 0
+    while True:
+        q, drawn = tree.draws.get(at, (None, []))
+        for x in drawn:
+            if float(torch.rand((), generator=generator)) * float(q[x]) < float(p[at, x]):
+                break
+        else:
+            return path, int(torch.multinomial(p[at], 1, generator=generator))
+        path.append(child[(at, x)])
+        at = path[-1] + 1
 
 
 @pytest.mark.parametrize("rule", ["exact", "biased"])
-def test_multi_draft_rule_keeps_every_depth_exact(rule: str) -> None:
-    # root children 1, 3, 4 (most probable first); node 0 (token 1) has children 2 and 5
-    tree = Tree(tokens=[1, 3, 4, 2, 5], parents=[-1, -1, -1, 0, 0], depths=[1, 1, 1, 2, 2],
-                probs=[0.5, 0.2, 0.1, 0.3, 0.2])
-    p = torch.stack([_dist(i) for i in range(len(tree) + 1)])  # [root, nodes]
-    g = torch.Generator().manual_seed(1)
+def test_drawn_tree_rule_keeps_every_depth_exact(rule: str) -> None:
+    """Trees drawn from q (3 draws at the root, up to 3 below): the first token follows the root's p and the
+    second, given the first, follows that node's p; the rule without residual updates fails."""
+    q_root, q_node = _dist(11), _dist(12)  # the drafter's q differs from every p
+    g = torch.Generator().manual_seed(2)
+    verify = verify_drawn_tree if rule == "exact" else _biased_drawn
     first, second = [], []
-    verify = verify_tree_sampling if rule == "exact" else _biased
-    for _ in range(N):
+    for _ in range(N // 2):
+        tree = grow_sampled(q_root, lambda toks, rows, d: q_node.expand(len(toks), -1), 2, 3, [1.0] * 8, g)
+        p = torch.stack([_dist(0)] + [_dist(100 * d + t) for t, d in zip(tree.tokens, tree.depths, strict=True)])
         path, nxt = verify(tree, p, g)
         toks = [tree.tokens[i] for i in path] + [nxt]
         first.append(toks[0])
-        if len(toks) > 1 and toks[0] == 1:
+        if len(toks) > 1 and toks[0] == 2:
             second.append(toks[1])
-    p_first = _p_value(torch.bincount(torch.tensor(first), minlength=V), p[0])
-    p_second = _p_value(torch.bincount(torch.tensor(second), minlength=V), p[1])  # t2 | t1 = 1 ~ node 0's p
+    p_first = _p_value(torch.bincount(torch.tensor(first), minlength=V), _dist(0))
+    p_second = _p_value(torch.bincount(torch.tensor(second), minlength=V), _dist(102))  # t2 | t1 = 2
     if rule == "exact":
         assert p_first > 1e-3 and p_second > 1e-3
     else:
         assert min(p_first, p_second) < 1e-6
+
+
+def test_a_sampled_tree_is_sized_before_drawing_and_never_pruned() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = _dist(3)
+    tree = grow_sampled(q, lambda toks, rows, d: q.expand(len(toks), -1), 3, 4, [1.0] * 16, g)
+    assert tree.draws and len(tree) <= 4 + 4 * 2  # top_k slots per level, depth 3
+    assert sum(len(drawn) for _, drawn in tree.draws.values()) >= len(tree)
+    with pytest.raises(ValueError, match="cannot be pruned"):
+        tree.top(2)
+    costly = grow_sampled(q, lambda toks, rows, d: q.expand(len(toks), -1), 3, 4, [1.0] + [100.0] * 15, g)
+    assert len(costly) == 0 and not costly.draws  # verifying more than one token never pays: a plain step
 
 
 def test_tree_sampling_in_the_loop_is_reproducible() -> None:
@@ -125,37 +147,43 @@ def test_tree_sampling_in_the_loop_is_reproducible() -> None:
     assert torch.equal(a.sequences, b.sequences) and a.stats.tree_rounds > 0 and a.stats.emitted == 20
 
 
-def test_tree_sampling_in_the_loop_follows_the_target_and_a_biased_rule_fails(monkeypatch) -> None:  # noqa: ANN001
-    """Batch-1 calls with Medusa trees on an 8-token target: the sampled (t2, t3) follow the target's exact joint
-    distribution (the tree's multi-draft rule, its 4-D mask, per-node positions and the branch kept in the KV
-    cache all take part), and the biased rule fails the same test."""
+@pytest.mark.parametrize("method", ["medusa", "eagle3"])
+def test_tree_sampling_in_the_loop_follows_the_target_and_a_biased_rule_fails(method: str,
+                                                                             monkeypatch) -> None:  # noqa: ANN001
+    """Batch-1 calls with sampled trees on an 8-token target: the sampled (t2, t3) follow the target's exact joint
+    distribution (the draws from q, SpecInfer's rule, the 4-D mask, per-node positions and the branch kept in the
+    KV cache all take part), and the rule without residual updates fails the same test."""
     from test_decoder_drafters import _exact_pair, _p_value, _tiny
 
     import decoder._tree_round as tree_round
 
-    model = _tiny(0, layers=2)
+    model = _tiny(0, layers=4)
     torch.manual_seed(9)
-    heads = MedusaHeads(MedusaConfig(32, 8, 3))
-    for block in heads.heads:
-        torch.nn.init.normal_(block[0].linear.weight, std=0.5)
+    if method == "medusa":
+        heads = MedusaHeads(MedusaConfig(32, 8, 3))
+        for block in heads.heads:
+            torch.nn.init.normal_(block[0].linear.weight, std=0.5)
+        drafter = MedusaFeeder(heads.bind_target(model))
+    else:
+        drafter = Eagle3Drafter(Eagle3Config.for_target(model.config, aux_layer_ids=[1, 2, 3])).bind_target(model)
     prompt = [1, 2, 3, 1, 2]
     exact = _exact_pair(model, prompt)
 
-    def pairs() -> tuple[torch.Tensor, int]:
-        counts, trees = torch.zeros(8, 8), 0
-        with SpeculativeDecoder(model, MedusaFeeder(heads.bind_target(model)), k=2, tree=6,
-                                cost=_free_verify(1, 6)) as spec:
+    def pairs() -> tuple[torch.Tensor, int, int]:
+        counts, trees, drafted = torch.zeros(8, 8), 0, 0
+        with SpeculativeDecoder(model, drafter, k=2, tree=6, cost=_free_verify(1, 6)) as spec:
             for i in range(CALLS):
                 out = spec.generate(torch.tensor([prompt]), max_new_tokens=4, temperature=0.7, seed=i)
                 counts[out.sequences[0, 6], out.sequences[0, 7]] += 1
                 trees += out.stats.tree_rounds
-        return counts, trees
+                drafted += out.stats.drafted
+        return counts, trees, drafted
 
-    counts, trees = pairs()
-    assert trees >= CALLS
+    counts, trees, drafted = pairs()
+    assert trees >= CALLS and drafted > trees  # several nodes per tree
     assert _p_value(counts, exact) > 1e-3
-    monkeypatch.setattr(tree_round, "verify_tree_sampling", _biased)
-    biased, _ = pairs()
+    monkeypatch.setattr(tree_round, "verify_drawn_tree", _biased_drawn)
+    biased, _, _ = pairs()
     assert _p_value(biased, exact) < 1e-6
 
 
