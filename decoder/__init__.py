@@ -20,6 +20,7 @@ from ._layer_skip import exit_acceptance, fit_layer_skip, load_layer_skip
 from ._loop import SpecOutput, SpecStats, SpeculativeDecoder
 from ._medusa import MedusaConfig, MedusaFeeder, MedusaHeads, load_medusa, save_medusa
 from ._mtp import MTPConfig, MTPFeeder, MTPHead, load_mtp, save_mtp
+from ._mtp_attn import MTPAttnDrafter, save_mtp_attn
 from ._named import NAMES as DRAFTER_NAMES
 from ._named import load_named_drafter, tree_nodes
 from ._ngram import NgramDrafter, NgramIndex
@@ -49,10 +50,10 @@ __all__ = [
     "early_exit_view", "exit_acceptance", "Feeder", "fit_layer_skip", "heads_acceptance", "HeadsTrainConfig",
     "heldout_acceptance", "kmeans_clusters", "LayerSkipDrafter", "load_drafter", "load_dspark", "load_layer_skip",
     "load_medusa", "load_mtp", "load_named_drafter", "load_sequences", "load_site_sequences", "MedusaConfig",
-    "MedusaFeeder", "MedusaHeads", "mtp_acceptance", "MTPConfig", "MTPFeeder", "MTPHead", "MTPTrainConfig",
-    "NgramDrafter", "NgramIndex", "oracle_bound", "OracleResult", "plot_stats", "RemoteEagle", "resolve_drafter_path",
-    "save_drafter", "save_dspark", "save_medusa", "save_mtp", "Scheduler", "serve_drafter", "simulated_seconds",
-    "SpecOutput", "SpecStats", "SpeculativeDecoder", "target_probs", "train_confidence", "train_drafter",
-    "train_dspark", "train_medusa", "train_mtp", "TrainConfig", "tree_nodes", "ttt_mask", "verify_greedy",
-    "verify_greedy_rows", "verify_rows", "verify_sampling",
+    "MedusaFeeder", "MedusaHeads", "mtp_acceptance", "MTPAttnDrafter", "MTPConfig", "MTPFeeder", "MTPHead",
+    "MTPTrainConfig", "NgramDrafter", "NgramIndex", "oracle_bound", "OracleResult", "plot_stats", "RemoteEagle",
+    "resolve_drafter_path", "save_drafter", "save_dspark", "save_medusa", "save_mtp", "save_mtp_attn", "Scheduler",
+    "serve_drafter", "simulated_seconds", "SpecOutput", "SpecStats", "SpeculativeDecoder", "target_probs",
+    "train_confidence", "train_drafter", "train_dspark", "train_medusa", "train_mtp", "TrainConfig", "tree_nodes",
+    "ttt_mask", "verify_greedy", "verify_greedy_rows", "verify_rows", "verify_sampling",
 ]

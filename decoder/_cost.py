@@ -198,7 +198,7 @@ class CostModel:
     @staticmethod
     @torch.no_grad()
     def _measure_step(drafter: nn.Module, batch: int, reps: int) -> float:
-        p = drafter.fc.weight
+        p = next(drafter.parameters())
         cache = drafter.new_cache(batch, 96)
         h = torch.zeros(batch, 1, drafter.config.hidden_size, dtype=p.dtype, device=p.device)
         ids = torch.zeros(batch, 1, dtype=torch.long, device=p.device)

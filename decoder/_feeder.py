@@ -72,7 +72,9 @@ class EagleFeeder:
     def __init__(self, drafter: Eagle3Drafter, endpoint: str | None = None) -> None:
         self.drafter = drafter
         self.config = drafter.config
-        self.sites = [f"layers.{i}.resid_pre" for i in drafter.config.aux_layer_ids]
+        # EAGLE-3's three resid_pre layers, or a drafter's own sites (the MTP block with attention: final_norm)
+        self.sites = list(getattr(drafter, "sites", None) or
+                          [f"layers.{i}.resid_pre" for i in drafter.config.aux_layer_ids])
         self._slot = {s: i for i, s in enumerate(self.sites)}
         self.sub: probe.Subscriber | None = None
         self._d2t = drafter.draft_to_target_ids()
@@ -89,9 +91,9 @@ class EagleFeeder:
             self.sub = None
 
     def prepare(self, batch: int, max_len: int) -> None:
-        p = self.drafter.fc.weight
+        p = next(self.drafter.parameters())
         h = self.drafter.config.target_hidden_size
-        self.feats = torch.zeros(batch, max_len, 3 * h, dtype=p.dtype, device=p.device)
+        self.feats = torch.zeros(batch, max_len, len(self.sites) * h, dtype=p.dtype, device=p.device)
         self.cache = self.drafter.new_cache(batch, max_len)
         self.seq_base: int | None = None
         self.lo: torch.Tensor | None = None  # per row: first position collected but not yet run
@@ -114,7 +116,7 @@ class EagleFeeder:
                       remap: tuple[int, torch.Tensor] | None = None) -> None:
         h = self.drafter.config.target_hidden_size
         got: set[str] = set()
-        while len(got) < 3:
+        while len(got) < len(self.sites):
             cap = self.sub.recv(timeout=30)
             if cap is None:
                 raise RuntimeError(f"no features for forward {step} arrived from the probe bus within 30 s")

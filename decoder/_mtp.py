@@ -8,9 +8,10 @@ One step maps (h, next token) to (h', logits): h' = h + MLP(norm(eh_proj[hnorm(h
 and logits = head(norm(h')), where `emb` and `head` are the target's own (shared, frozen). The
 first step takes the target's `final_norm` state at the last accepted position t and the
 committed token x_{t+1}, and predicts x_{t+2}; each further step feeds its own h' and draft back
-(sequential, like DeepSeek-V3's MTP modules, with one module reused at every depth). The block is
+(sequential, like DeepSeek-V3's MTP modules, with one module reused at every depth). This block is
 attention-free: the target's state already carries the context, and a drafter KV cache is what
-would make each step dearer on a CPU.
+makes each step dearer on a CPU. DeepSeek-V3's block with attention is `_mtp_attn.py`
+(`MTPTrainConfig(attention=True)`, `"attention": true` in config.json); `load_mtp` loads either.
 
 Clustered vocabulary (`clusters > 0`): the output first scores C clusters of the vocabulary
 (k-means of the target's output embeddings), then only the tokens of the best cluster with the
@@ -38,6 +39,7 @@ from ._chain import draft_chain
 from ._eagle import RMSNorm
 from ._feeder import Drafts, Feed
 from ._medusa import MedusaFeeder
+from ._mtp_attn import MTPAttnDrafter, load_mtp_attn
 from ._sched import DraftPlan
 
 
@@ -159,10 +161,13 @@ def save_mtp(head: MTPHead, path: str | Path) -> Path:
     return folder
 
 
-def load_mtp(path: str | Path, target: nn.Module) -> MTPHead:
+def load_mtp(path: str | Path, target: nn.Module) -> MTPHead | MTPAttnDrafter:
+    """The MTP head in `path`: attention-free (MTPHead), or with attention (`"attention": true`: MTPAttnDrafter)."""
     folder = Path(path)
     try:
         raw = json.loads((folder / "config.json").read_text())
+        if raw.get("attention"):
+            return load_mtp_attn(folder, raw, target)
         cfg = MTPConfig(**{k: raw[k] for k in ("hidden_size", "intermediate_size", "vocab_size")},
                         clusters=int(raw.get("clusters", 0)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)))
     except (OSError, ValueError, KeyError, TypeError) as exc:

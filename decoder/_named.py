@@ -32,6 +32,7 @@ from ._dspark import DSparkFeeder, load_dspark
 from ._layer_skip import load_layer_skip
 from ._medusa import MedusaFeeder, load_medusa
 from ._mtp import MTPFeeder, load_mtp
+from ._mtp_attn import MTPAttnDrafter
 from ._ngram import NgramDrafter
 
 SUFFIX = {"default": "drafter", "eagle3": "drafter", "eagle3-tree": "drafter", "medusa": "medusa",
@@ -97,8 +98,9 @@ def load_named_drafter(spec: str, target: nn.Module) -> object:
             return MedusaFeeder(load_medusa(folder, target))
         if method == "layer-skip":
             return load_layer_skip(folder, target)
-        if method == "mtp":
-            return MTPFeeder(load_mtp(folder, target))
+        if method == "mtp":  # the attention-free head, or DeepSeek-V3's block with attention (an EAGLE-style drafter)
+            head = load_mtp(folder, target)
+            return head if isinstance(head, MTPAttnDrafter) else MTPFeeder(head)
         if method == "dspark":
             return DSparkFeeder(load_dspark(folder, target))
         from transformers import AutoModelForCausalLM

@@ -183,6 +183,9 @@ class MTPTrainConfig:
     seed: int = 0
     save_every: int = 250
     holdout: float = 0.05
+    attention: bool = False  # DeepSeek-V3's block with attention (trained on sequence windows, `_mtp_attn.py`)
+    window: int = 128  # attention: positions per training window
+    sequences: int = 8  # attention: windows per step
 
 
 def kmeans_clusters(weight: torch.Tensor, clusters: int, iters: int = 20, seed: int = 0) -> torch.Tensor:
@@ -249,6 +252,10 @@ def train_mtp(target: nn.Module, recording: str | Path, out: str | Path, cfg: MT
     from ._mtp import MTPConfig, MTPHead, save_mtp
 
     cfg = cfg or MTPTrainConfig()
+    if cfg.attention:
+        if cfg.clusters:
+            raise ValueError("the MTP block with attention has the flat head only (clusters=0)")
+        return _train_mtp_attn(target, recording, out, cfg, resume=resume, progress=progress)
     out, train, held = _prepare(recording, out, cfg.depth + 3, cfg.holdout, cfg.seed)
     feats, toks = _chains(train, cfg.depth)
     tc = target.config
@@ -269,6 +276,37 @@ def train_mtp(target: nn.Module, recording: str | Path, out: str | Path, cfg: MT
     if held:
         metrics["heldout"] = mtp_acceptance(head, *_chains(held, cfg.depth))
     save_mtp(head, out)
+    return metrics
+
+
+def _train_mtp_attn(target: nn.Module, recording: str | Path, out: str | Path, cfg: MTPTrainConfig, *,
+                    resume: bool, progress: bool) -> dict:
+    """The attention block learns like EAGLE-3 (same training-time test: step j attends to the real states up to
+    its chain's start and to its own earlier steps), on windows of the recorded sequences."""
+    from types import SimpleNamespace
+
+    from ._mtp_attn import MTPAttnDrafter, save_mtp_attn
+    from ._train import _batch, heldout_acceptance, ttt_loss
+
+    out, train, held = _prepare(recording, out, 8, cfg.holdout, cfg.seed)
+    window = min(cfg.window, min(len(t) for t, _ in train) - 2)
+    pool = [s for s in train if len(s[0]) >= window + 2]
+    drafter = MTPAttnDrafter.for_target(target.config, intermediate_size=cfg.intermediate)
+    drafter.bind_target(target)  # the target's embedding and output head (frozen, not the drafter's parameters)
+    embed = target.get_input_embeddings()
+    ttt = SimpleNamespace(ttt_steps=cfg.depth, decay=cfg.decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+
+    def loss_fn(idx: torch.Tensor):  # noqa: ANN202 - idx: how many windows this step draws, from `gen`
+        toks, feats = _batch(pool, cfg.sequences, window, gen)
+        return ttt_loss(drafter, embed, toks, feats.float(), toks[:, 2: window + 2], ttt)
+
+    metrics = {"sequences": len(pool), "window": window, "heldout_sequences": len(held)}
+    metrics.update(_fit(drafter, loss_fn, 1, cfg, out, key="head", name="train-mtp", resume=resume,
+                        progress=progress, clip=1.0))
+    if held:
+        metrics["heldout"] = heldout_acceptance(drafter, embed, held, cfg.depth, window)
+    save_mtp_attn(drafter, out)
     return metrics
 
 

@@ -85,6 +85,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--heads", type=int, default=4, help="medusa: heads; mtp/clustered: unrolled depth; dspark: "
                    "parallel positions (default: %(default)s)")
     t.add_argument("--clusters", type=int, default=64, help="clustered: vocabulary clusters (default: %(default)s)")
+    t.add_argument("--attention", action="store_true", help="mtp: DeepSeek-V3's block with attention (trained on "
+                   "--window/--batch windows like eagle3) instead of the attention-free head")
     t.add_argument("--recording", required=True, metavar="DIR", help="folder written by probebus record")
     t.add_argument("--out", required=True, metavar="DIR", help="where the drafter (speculators layout) is written")
     t.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: %(default)s)")
@@ -345,8 +347,11 @@ def _train_other(args: argparse.Namespace, model: torch.nn.Module, rec) -> int: 
                                    target_name=args.model, **kw)
         elif args.method in ("mtp", "clustered"):
             clusters = args.clusters if args.method == "clustered" else 0
-            metrics = train_mtp(model, rec, args.out, MTPTrainConfig(depth=args.heads, clusters=clusters, **common),
-                                **kw)
+            if args.attention and clusters:
+                raise UsageError("--attention trains the flat MTP block; --method clustered has no attention")
+            metrics = train_mtp(model, rec, args.out, MTPTrainConfig(depth=args.heads, clusters=clusters,
+                                                                     attention=args.attention, window=args.window,
+                                                                     sequences=args.batch, **common), **kw)
         elif args.method == "dspark":
             metrics = train_dspark(model, rec, args.out, DSparkTrainConfig(positions=args.heads, **common), **kw)
         else:

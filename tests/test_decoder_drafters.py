@@ -28,6 +28,7 @@ from decoder import (
     MedusaConfig,
     MedusaFeeder,
     MedusaHeads,
+    MTPAttnDrafter,
     MTPConfig,
     MTPFeeder,
     MTPHead,
@@ -59,7 +60,9 @@ def _heads(model: torch.nn.Module, seed: int, std: float) -> dict[str, object]:
     for block in dspark.blocks:
         torch.nn.init.normal_(block.linear.weight, std=std)
     torch.nn.init.normal_(dspark.markov_up.weight, std=std)
+    mtp_attn = MTPAttnDrafter.for_target(model.config).bind_target(model)
     return {"medusa": MedusaFeeder(medusa.bind_target(model)), "mtp": MTPFeeder(mtp.bind_target(model)),
+            "mtp-attn": mtp_attn,
             "clustered": MTPFeeder(clustered.bind_target(model)), "dspark": DSparkFeeder(dspark.bind_target(model))}
 
 
@@ -155,14 +158,15 @@ def _biased_verify_rows(drafts, k_rows, p, q_draft, draft_ids, d2t_ids, sampled,
     return n, torch.where(n < k_rows, redraw, nxt)
 
 
-@pytest.mark.parametrize("method", ["draft-model", "layer-skip", "medusa", "mtp", "clustered", "dspark", "eagle3",
-                                    "ngram"])
+@pytest.mark.parametrize("method", ["draft-model", "layer-skip", "medusa", "mtp", "mtp-attn", "clustered", "dspark",
+                                    "eagle3", "ngram"])
 def test_sampling_follows_the_target_and_a_biased_rule_fails(method: str, monkeypatch) -> None:  # noqa: ANN001
     model = _tiny(0, layers=6)
     drafter = {"draft-model": lambda: DraftModelDrafter(_tiny(1, layers=1)),
                "layer-skip": lambda: LayerSkipDrafter(model, 1),
                "medusa": lambda: _heads(model, 9, 0.5)["medusa"],
                "mtp": lambda: _heads(model, 9, 0.5)["mtp"],
+               "mtp-attn": lambda: _heads(model, 9, 0.5)["mtp-attn"],
                "clustered": lambda: _heads(model, 9, 0.5)["clustered"],
                "dspark": lambda: _heads(model, 9, 0.5)["dspark"],
                "eagle3": lambda: Eagle3Drafter(Eagle3Config.for_target(model.config, aux_layer_ids=[1, 2, 3]))
@@ -263,7 +267,7 @@ def test_layer_skip_verification_starts_where_the_draft_left_off() -> None:
         "each verified token runs through the kept layers exactly once (drafts, then the last draft's pass)"
 
 
-@pytest.mark.parametrize("method", ["mtp", "clustered", "dspark"])
+@pytest.mark.parametrize("method", ["mtp", "mtp-attn", "clustered", "dspark"])
 def test_mtp_clustered_and_dspark_train_from_a_recording_and_load(tmp_path: Path, method: str) -> None:
     from decoder import DSparkTrainConfig, MTPTrainConfig, train_dspark, train_mtp
 
@@ -279,10 +283,11 @@ def test_mtp_clustered_and_dspark_train_from_a_recording_and_load(tmp_path: Path
         assert len(m["heldout"]["confidence"]) == 4
     else:
         m = train_mtp(model, tmp_path / "rec", tmp_path / "m", MTPTrainConfig(steps=20, batch=64, holdout=0.25,
-                      clusters=8 if method == "clustered" else 0), progress=False)
-    assert m["step"] == 20 and m["heldout"]["positions"] > 0
+                      clusters=8 if method == "clustered" else 0, attention=method == "mtp-attn"), progress=False)
+    assert m["step"] == 20 and len(m["heldout"]["acceptance"]) == (4 if method == "dspark" else 3)
     drafter = load_named_drafter(str(tmp_path / "m"), model)
     assert drafter.name == ("dspark" if method == "dspark" else "mtp")
+    assert isinstance(drafter, MTPAttnDrafter) == (method == "mtp-attn")
     ids, mask = left_padded(PROMPTS)
     want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                           eos_token_id=None, pad_token_id=PAD)

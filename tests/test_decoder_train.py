@@ -101,7 +101,8 @@ def test_train_drafter_on_a_bad_recording_is_one_line(tmp_path: Path, capsys, pr
 
 
 def test_record_final_norm_then_every_head_method_on_the_command_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    """`probebus record --sites final_norm`, then `train-drafter --method medusa|mtp|clustered|dspark|layer-skip`,
+    """`probebus record --sites final_norm`, then `train-drafter --method medusa|mtp|clustered|dspark|layer-skip` (and
+    mtp --attention),
     then `probebus generate --drafter OUT` with each result: the documented path for every feature-fed method."""
     _target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
@@ -109,10 +110,11 @@ def test_record_final_norm_then_every_head_method_on_the_command_line(tmp_path: 
     target = str(tmp_path / "target")
     assert main(["record", "--model", target, "--prompts", str(prompts), "--sites", "final_norm", "--out",
                  str(tmp_path / "rec"), "--max-new-tokens", "20", "--batch-size", "4"]) == 0
-    for method in ("medusa", "mtp", "clustered", "dspark", "layer-skip"):
-        out = str(tmp_path / method)
-        assert main(["train-drafter", "--method", method, "--model", target, "--recording", str(tmp_path / "rec"),
-                     "--out", out, "--steps", "5", "--holdout", "0.25", "--clusters", "8"]) == 0, method
+    for method in ("medusa", "mtp", "mtp --attention", "clustered", "dspark", "layer-skip"):
+        out = str(tmp_path / method.replace(" --", "-"))
+        assert main(["train-drafter", "--method", *method.split(), "--model", target, "--recording",
+                     str(tmp_path / "rec"), "--out", out, "--steps", "5", "--holdout", "0.25", "--clusters", "8",
+                     "--window", "16"]) == 0, method
         capsys.readouterr()
         assert main(["generate", "--model", target, "--drafter", out, "--prompt", "def f(x):", "--max-new-tokens",
                      "8", "--json", "--fixed"]) == 0, method
