@@ -9,9 +9,10 @@ bound, per prompt set, batch size and temperature.
 
 Methods (`--methods`, default: plain, HF prompt lookup, n-gram, EAGLE-3, auto): `plain`, `HF prompt lookup`,
 `HF assisted` (transformers' assistant_model with the shipped draft model, batch 1), `n-gram`, `EAGLE-3`,
-`EAGLE-3 tree`, `Medusa`, `Medusa tree`, `MTP`, `clustered`, `DSpark`, `draft model`, `layer skip`, `auto`,
-`auto, several` (the scheduler choosing per round among EAGLE-3, MTP, clustered MTP, DSpark and n-gram); `all` runs
-every one. Chains draft a fixed k; trees choose their node count per round from the measured cost curve.
+`EAGLE-3 tree`, `Medusa`, `Medusa tree`, `MTP`, `MTP attn` (DeepSeek-V3's block with attention), `clustered`,
+`DSpark`, `draft model`, `layer skip`, `auto`, `auto, several` (the scheduler choosing per round among EAGLE-3,
+MTP, clustered MTP, DSpark and n-gram); `all` runs every one. Chains draft a fixed k; trees choose their node
+count per round from the measured cost curve.
 
 Sets (benchmarks/prompts/*.jsonl, see benchmarks/_prompt_sets.py): held-out stdlib files,
 unseen third-party Python code, English prose. Each condition runs every method over the
@@ -71,10 +72,10 @@ def no_hooks(model: torch.nn.Module) -> bool:
     return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "clustered": "clustered", "DSpark": "dspark",
-         "draft model": "draft-model", "layer skip": "layer-skip", "EAGLE-3 tree": "default"}
+NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "MTP attn": "mtp-attn", "clustered": "clustered",
+         "DSpark": "dspark", "draft model": "draft-model", "layer skip": "layer-skip", "EAGLE-3 tree": "default"}
 ALL = ["plain", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3", "EAGLE-3 tree", "Medusa", "Medusa tree",
-       "MTP", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several"]
+       "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several"]
 DEFAULT = ["plain", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
 BASELINES = ("plain", "HF prompt lookup", "HF assisted")  # no probe attached, the target's own generate
 BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only

@@ -14,6 +14,7 @@ Names (each one's files ship next to the target's own folder as `<model>-<suffix
     draft-model        a separate small LM       <model>-draft-model/
     layer-skip         the target's first layers <model>-layer-skip/
     mtp                an MTP head               <model>-mtp/
+    mtp-attn           DeepSeek-V3's MTP block with attention <model>-mtp-attn/
     clustered          an MTP head with a two-stage clustered vocabulary <model>-clustered/
     dspark             parallel drafts + Markov + confidence heads <model>-dspark/
     ngram              prompt lookup (no files)
@@ -37,7 +38,7 @@ from ._ngram import NgramDrafter
 
 SUFFIX = {"default": "drafter", "eagle3": "drafter", "eagle3-tree": "drafter", "medusa": "medusa",
           "medusa-tree": "medusa", "draft-model": "draft-model",
-          "layer-skip": "layer-skip", "mtp": "mtp", "clustered": "clustered",
+          "layer-skip": "layer-skip", "mtp": "mtp", "mtp-attn": "mtp-attn", "clustered": "clustered",
           "dspark": "dspark"}
 NAMES = (*SUFFIX, "ngram")
 TREE_NODES = 24  # the node budget of the -tree names (each round verifies the count that pays, up to this)

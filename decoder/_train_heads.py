@@ -289,8 +289,10 @@ def _train_mtp_attn(target: nn.Module, recording: str | Path, out: str | Path, c
     from ._train import _batch, heldout_acceptance, ttt_loss
 
     out, train, held = _prepare(recording, out, 8, cfg.holdout, cfg.seed)
-    window = min(cfg.window, min(len(t) for t, _ in train) - 2)
+    window = cfg.window
     pool = [s for s in train if len(s[0]) >= window + 2]
+    if not pool:  # every sequence is short: windows as long as the shortest allows
+        pool, window = train, min(len(t) for t, _ in train) - 2
     drafter = MTPAttnDrafter.for_target(target.config, intermediate_size=cfg.intermediate)
     drafter.bind_target(target)  # the target's embedding and output head (frozen, not the drafter's parameters)
     embed = target.get_input_embeddings()

@@ -25,8 +25,8 @@ t0 = time.perf_counter()
 plain = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=None)
 print(f"{'plain generate':14s} {args.max_new_tokens / (time.perf_counter() - t0):6.1f} tok/s")
 
-for name in ["eagle3", "eagle3-tree", "medusa", "medusa-tree", "mtp", "clustered", "dspark", "draft-model",
-             "layer-skip", "ngram"]:
+for name in ["eagle3", "eagle3-tree", "medusa", "medusa-tree", "mtp", "mtp-attn", "clustered", "dspark",
+             "draft-model", "layer-skip", "ngram"]:
     drafter = decoder.load_named_drafter(name, model)  # files shipped next to the model (`--drafter NAME`)
     with decoder.SpeculativeDecoder(model, drafter, k=4, schedule="fixed", tree=decoder.tree_nodes(name)) as spec:
         out = spec.generate(ids, max_new_tokens=args.max_new_tokens)

@@ -38,8 +38,8 @@ def test_greedy_equals_generate_on_the_default_model(target, batch: int) -> None
             assert out.stats.tau > 1.8, out.stats.as_dict()
 
 
-@pytest.mark.parametrize("name", ["eagle3-tree", "medusa", "medusa-tree", "mtp", "clustered", "draft-model",
-                                  "layer-skip"])
+@pytest.mark.parametrize("name", ["eagle3-tree", "medusa", "medusa-tree", "mtp", "mtp-attn", "clustered",
+                                  "draft-model", "layer-skip"])
 def test_every_shipped_drafter_is_lossless_on_the_default_model(target, name: str) -> None:  # noqa: ANN001
     """Each --drafter name loads the files shipped next to the default model, reproduces greedy `generate` on
     held-out prompts, and (all but layer skip, whose early exit is untrained) is really accepted."""

@@ -1,8 +1,10 @@
-"""Retrain the heads shipped for the default model that read its `final_norm`: Medusa, MTP, clustered MTP.
+"""Retrain the heads shipped for the default model that read its `final_norm`: Medusa, MTP (attention-free and
+with attention), clustered MTP, DSpark.
 
     nice -n 10 python training/train_default_heads.py --method medusa      # probebus/models/default-medusa
     nice -n 10 python training/train_default_heads.py --method mtp --recording /tmp/rec        # default-mtp
     nice -n 10 python training/train_default_heads.py --method clustered --recording /tmp/rec  # default-clustered
+    nice -n 10 python training/train_default_heads.py --method mtp-attn --recording /tmp/rec   # default-mtp-attn
 
 1. Record the target's own greedy continuations of training-split prompts with a probe on
    `final_norm` (probe.attach + exporters.ArrowRecorder: the path `probebus record` uses), into a
@@ -65,7 +67,7 @@ def evaluate(model, tok, drafter, prompts: list[str], new_tokens: int, k: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", choices=("medusa", "mtp", "clustered", "dspark"), default="medusa")
+    ap.add_argument("--method", choices=("medusa", "mtp", "mtp-attn", "clustered", "dspark"), default="medusa")
     ap.add_argument("--prompts", type=int, default=1800)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
@@ -98,7 +100,8 @@ def main() -> None:
         cfg = DSparkTrainConfig(steps=args.steps)
         metrics = train_dspark(model, folder, args.out, cfg, resume=False)
     else:
-        cfg = MTPTrainConfig(clusters=args.clusters if args.method == "clustered" else 0, steps=args.steps)
+        cfg = MTPTrainConfig(clusters=args.clusters if args.method == "clustered" else 0, steps=args.steps,
+                             attention=args.method == "mtp-attn")
         metrics = train_mtp(model, folder, args.out, cfg, resume=False)
     (args.out / "train_state.pt").unlink(missing_ok=True)  # resumability is for interrupted runs, not shipping
     ev = evaluate(model, tok, load_named_drafter(str(args.out), model), code_prompts("heldout", 16), 64, 4)
@@ -119,6 +122,12 @@ residual blocks are stored. Trained with `decoder.train_medusa`.""",
     "mtp": """An MTP head (DeepSeek-V3-style multi-token prediction, attention-free block with MLP
 {inter}, reused at every depth) on the default model's `final_norm` output; the target's embedding
 and output head are shared, not stored. Trained with `decoder.train_mtp` ({depth} unrolled steps).""",
+    "mtp-attn": """DeepSeek-V3's MTP block with attention on the default model's `final_norm` output:
+eh_proj of the normed state and token embedding, then a pre-norm decoder layer (self-attention over
+the block's own KV cache of every accepted position, SwiGLU MLP {inter}), one block reused at every
+depth; the target's embedding and output head are shared, not stored. Trained with
+`decoder.train_mtp` (`attention=True`: EAGLE-3's training-time test over {depth} unrolled steps, on
+windows of the recorded sequences).""",
     "clustered": """An MTP head whose output is a two-stage clustered vocabulary: {clusters} clusters of the
 target's output embeddings (cosine k-means), then the tokens of the best cluster scored with the
 target's own output rows ({clusters} + about {per} rows per step instead of 8,192). Same block as
@@ -144,6 +153,9 @@ def write_card(out: Path, card: dict) -> None:
     conf = ("\n   Confidence head: mean estimate per position " + " / ".join(f"{c:.2f}" for c in hold["confidence"])
             + " against observed conditional acceptance " + " / ".join(f"{c:.2f}" for c in hold["conditional"])
             + ".") if "confidence" in hold else ""
+    held = hold.get("positions", hold.get("chains", 0))  # chains start at every held-out position
+    batch = f"{tc['sequences']} windows of {tc['window']} positions" if tc.get("attention") else \
+        f"{tc['batch']} positions"
     text = f"""# default-{method}: the {method} drafter shipped for the default model
 
 {what}
@@ -155,10 +167,10 @@ Use: `probebus generate --drafter {method}`, or `decoder.load_named_drafter("{me
 
 1. Recording: training-split prompts, the target's greedy continuations, `final_norm` recorded
    through the bus ({rows}{card["record_seconds"]} s{"; reused from the Medusa run" if "reused" in rec else ""}).
-2. Training: {tc["steps"]} steps of {tc["batch"]} positions, AdamW lr {tc["lr"]:g}, losses weighted
+2. Training: {tc["steps"]} steps of {batch}, AdamW lr {tc["lr"]:g}, losses weighted
    {tc["decay"]}^i: {tr["seconds"]:.0f} s. Final loss {tr["loss"]:.2f}; top-1 accuracy per depth
    {" / ".join(f"{a:.2f}" for a in tr["acc"])}.
-3. Held out ({hold["positions"]:,} positions of recorded sequences not trained on): greedy chain acceptance
+3. Held out ({held:,} positions of recorded sequences not trained on): greedy chain acceptance
    by draft position {" / ".join(f"{a:.2f}" for a in hold["acceptance"])}, tau {hold["tau"]:.2f}.{conf}
    Loop on {ev["prompts"]} held-out prompts ({ev["new_tokens"]} new tokens, k = {ev["k"]}, fixed schedule,
    greedy): tau {ev["tau"]:.2f}, {ev["tokens_per_forward"]:.2f} tokens per target forward.
