@@ -110,7 +110,12 @@ class Eagle3Layer(nn.Module):
         self.self_attn.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
         self.self_attn.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
         self.self_attn.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
-        self.self_attn.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self._output_half(cfg)
+
+    def _output_half(self, cfg: Eagle3Config) -> None:
+        """o_proj, the SwiGLU MLP and the RoPE tables: what follows q/k/v (shared with the MTP block)."""
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.self_attn.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
         self.mlp = nn.Module()
         self.mlp.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.mlp.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)

@@ -52,15 +52,7 @@ class MTPLayer(Eagle3Layer):
         self.self_attn.q_proj = nn.Linear(h, nh * hd, bias=False)
         self.self_attn.k_proj = nn.Linear(h, nkv * hd, bias=False)
         self.self_attn.v_proj = nn.Linear(h, nkv * hd, bias=False)
-        self.self_attn.o_proj = nn.Linear(nh * hd, h, bias=False)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.mlp.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
-        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-        self.register_buffer("inv_freq", inv, persistent=False)
-        self._cos: torch.Tensor | None = None
-        self._sin: torch.Tensor | None = None
+        self._output_half(cfg)
 
     def project(self, emb: torch.Tensor, hidden: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
