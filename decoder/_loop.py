@@ -117,8 +117,8 @@ class SpeculativeDecoder:
         if tree < 0 or tree_top_k < 1:
             raise ValueError(f"tree (most nodes) must be >= 0 and tree_top_k >= 1, got {tree}, {tree_top_k}")
         if tree and (len(self.slots) != 1 or not supports_tree(self.feeder)):
-            raise ValueError("tree drafts need EAGLE-3 or Medusa heads (one drafter that scores alternatives); "
-                             "use tree=0 for this drafter")
+            raise ValueError("tree drafts need EAGLE-3 or Medusa heads, or the MTP block with attention (one drafter "
+                             "that scores alternatives); use tree=0 for this drafter")
         if tree and not isinstance(self.eagle, (Eagle3Drafter, MedusaFeeder)):
             raise ValueError("tree drafts need the drafter in this process (Eagle3Drafter or MedusaFeeder)")
         self.tree, self.tree_top_k = tree, tree_top_k

@@ -11,7 +11,16 @@ import pytest
 import torch
 from models import PAD, build, left_padded
 
-from decoder import CostModel, Eagle3Config, Eagle3Drafter, MedusaConfig, MedusaFeeder, MedusaHeads, SpeculativeDecoder
+from decoder import (
+    CostModel,
+    Eagle3Config,
+    Eagle3Drafter,
+    MedusaConfig,
+    MedusaFeeder,
+    MedusaHeads,
+    MTPAttnDrafter,
+    SpeculativeDecoder,
+)
 from decoder._tree import Tree, tree_attention
 from decoder._tree_sample import grow_sampled, verify_drawn_tree
 
@@ -30,10 +39,11 @@ def _drafters(model: torch.nn.Module) -> dict[str, object]:
     for block in heads.heads:
         torch.nn.init.normal_(block[0].linear.weight, std=0.05)
     return {"medusa": MedusaFeeder(heads.bind_target(model)),
-            "eagle3": Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model)}
+            "eagle3": Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model),
+            "mtp-attn": MTPAttnDrafter.for_target(model.config).bind_target(model)}
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle3"])
+@pytest.mark.parametrize("method", ["medusa", "eagle3", "mtp-attn"])
 def test_tree_greedy_equals_generate(method: str) -> None:
     model = build("llama", layers=8)
     for prompt in PROMPTS:
