@@ -229,9 +229,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         if len(states) < length:  # the last draft never ran through the kept layers: only that token does now
             states.append(_layers(inner, 0, self.layers, inner.embed_tokens(inp[:, -1:]), positions[:, -1:], mask,
                                   run.cache))
-        for layer in run.cache.layers[: self.layers]:  # drafted beyond what this round verifies
-            if layer.get_seq_length() > cols + length:
-                layer.crop(cols + length - layer.get_seq_length())
+        self._crop_kept(cols + length)  # drafted beyond what this round verifies
         hidden = torch.cat(states[:length], 1)
         hidden = _layers(inner, self.layers, len(inner.layers), hidden, positions, mask, run.cache)
         return self.target.get_output_embeddings()(inner.norm(hidden))
@@ -242,9 +240,13 @@ class LayerSkipDrafter(DraftModelDrafter):
             return
         cols = self._pending[0]
         self._pending = None
+        self._crop_kept(cols)
+
+    def _crop_kept(self, length: int) -> None:
+        """The target's cache of the kept layers back to `length` columns (the other layers never held more)."""
         for layer in self.run.cache.layers[: self.layers]:
-            if layer.get_seq_length() > cols:
-                layer.crop(cols - layer.get_seq_length())
+            if layer.get_seq_length() > length:
+                layer.crop(length - layer.get_seq_length())
 
 
 def _layers(inner: nn.Module, lo: int, hi: int, hidden: torch.Tensor, positions: torch.Tensor,
