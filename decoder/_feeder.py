@@ -68,13 +68,20 @@ class Feeder(Protocol):
     def close(self) -> None: ...
 
 
+def feature_sites(drafter: object) -> list[str]:
+    """The probe sites a drafter reads: EAGLE-3's three `resid_pre` layers, a drafter's own `sites`, or none."""
+    if drafter is None:
+        return []
+    if hasattr(drafter, "sites"):
+        return list(drafter.sites)
+    return [f"layers.{i}.resid_pre" for i in drafter.config.aux_layer_ids]
+
+
 class EagleFeeder:
     def __init__(self, drafter: Eagle3Drafter, endpoint: str | None = None) -> None:
         self.drafter = drafter
         self.config = drafter.config
-        # EAGLE-3's three resid_pre layers, or a drafter's own sites (the MTP block with attention: final_norm)
-        self.sites = list(getattr(drafter, "sites", None) or
-                          [f"layers.{i}.resid_pre" for i in drafter.config.aux_layer_ids])
+        self.sites = feature_sites(drafter)  # EAGLE-3's three resid_pre layers; the MTP block's final_norm
         self._slot = {s: i for i, s in enumerate(self.sites)}
         self.sub: probe.Subscriber | None = None
         self._d2t = drafter.draft_to_target_ids()

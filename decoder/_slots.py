@@ -19,7 +19,7 @@ from torch import nn
 import probe
 
 from ._eagle import Eagle3Drafter
-from ._feeder import EagleFeeder
+from ._feeder import EagleFeeder, feature_sites
 
 
 @dataclass
@@ -29,15 +29,6 @@ class Slot:
     sites: list[str]
     d2t: torch.Tensor | None  # target id of each draft id (sampled drafts' q is over the draft vocabulary)
     name: str
-
-
-def feature_sites(drafter: object) -> list[str]:
-    """The probe sites a drafter reads: EAGLE-3's three `resid_pre` layers, a drafter's own `sites`, or none."""
-    if drafter is None:
-        return []
-    if hasattr(drafter, "sites"):
-        return list(drafter.sites)
-    return [f"layers.{i}.resid_pre" for i in drafter.config.aux_layer_ids]
 
 
 def open_slots(target: nn.Module, drafters: list, endpoint: str | None) -> tuple[object, list[Slot]]:
