@@ -42,8 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "output equals plain decoding; sampling follows the target's distribution exactly.")
     _common(p)
     p.add_argument("--drafter", default="default",
-                   help="default | eagle3 | eagle3-tree | medusa | medusa-tree | mtp | clustered | draft-model | "
-                   "layer-skip | ngram | auto | none | PATH (default: %(default)s)")
+                   help="default | eagle3 | eagle3-tree | medusa | medusa-tree | mtp | mtp-attn | clustered | dspark | "
+                   "draft-model | layer-skip | ngram | auto | none | PATH (default: %(default)s)")
     p.add_argument("--tree", type=int, default=None, help="verify draft trees of up to N nodes in one forward "
                    "(batch 1, EAGLE-3 or Medusa; default: 24 for the -tree names, else 0 = chains)")
     src = p.add_mutually_exclusive_group(required=True)
