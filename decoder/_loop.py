@@ -123,6 +123,12 @@ class SpeculativeDecoder:
             raise ValueError("tree drafts need the drafter in this process (Eagle3Drafter or MedusaFeeder)")
         self.tree, self.tree_top_k = tree, tree_top_k
 
+    def path_key(self, batch: int, temperature: float) -> tuple:
+        """Whose calls `cost.paths` compares: this batch, greedy or sampling, and this decoder's drafters."""
+        drafters = "+".join(type(s.feeder).__name__ for s in self.slots)
+        return (batch, "sample" if temperature > 0 else "greedy", f"{drafters}|ngram={self.ngram is not None}|"
+                f"k={self.k}|tree={self.tree}")
+
     @property
     def endpoint(self) -> str | None:
         """The probe session's endpoint (watch it with `probebus top`), or None without a feature-fed drafter."""
@@ -157,7 +163,7 @@ class SpeculativeDecoder:
         """Greedy output equals `target.generate(do_sample=False)`; sampling follows the target's distribution
         exactly. `streamer` takes transformers' streamer interface (put(ids), end()); batch 1 only."""
         t0 = time.perf_counter()
-        key = (input_ids.shape[0], "sample" if temperature > 0 else "greedy")
+        key = self.path_key(input_ids.shape[0], temperature)
         auto = not self.sched.fixed and seed is None and (self.feeder is not None or self.ngram is not None)
         if auto and self.cost.paths.pick(key) == "plain":
             out = self._plain(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
@@ -201,7 +207,11 @@ class SpeculativeDecoder:
         eos_ids = _eos_list(eos)
         # Every field set: `generate` fills unset (None) ones from the model's generation config and global
         # defaults (top_k=50, its EOS), which this loop does not apply. An empty EOS list stops nothing.
-        config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=sample, num_beams=1,
+        # min_new_tokens=0 would add a no-op MinLength processor to every step (3 % of a batch-8 call here),
+        # so it is set only where the model's own config would otherwise fill in a minimum.
+        floor = {"min_new_tokens": 0} if getattr(self.target.generation_config, "min_new_tokens", None) else \
+            {"min_length": 0}
+        config = GenerationConfig(max_new_tokens=max_new_tokens, **floor, do_sample=sample, num_beams=1,
                                   temperature=temperature if sample else 1.0, top_k=top_k or 0, top_p=top_p or 1.0,
                                   repetition_penalty=1.0, eos_token_id=eos_ids,
                                   pad_token_id=pad if pad is not None else 0)

@@ -110,8 +110,9 @@ def test_calls_where_drafting_does_not_pay_run_as_the_targets_own_generate(tmp_p
         want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                               eos_token_id=EOS, pad_token_id=PAD)
     spec = SpeculativeDecoder(model, NgramDrafter(), k=3)
-    spec.cost.paths.observe((2, "greedy"), "spec", 100.0)
-    spec.cost.paths.observe((2, "greedy"), "plain", 200.0)  # as measured: plain calls were faster
+    key = spec.path_key(2, 0.0)
+    spec.cost.paths.observe(key, "spec", 100.0)
+    spec.cost.paths.observe(key, "plain", 200.0)  # as measured: plain calls were faster
     out = spec.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
     assert out.stats.delegated and torch.equal(out.sequences, want)
     assert out.stats.emitted == sum(min(len(r[ids.shape[1]:]), (r[ids.shape[1]:] + [EOS]).index(EOS) + 1)
@@ -121,9 +122,19 @@ def test_calls_where_drafting_does_not_pay_run_as_the_targets_own_generate(tmp_p
     fixed = SpeculativeDecoder(model, NgramDrafter(), k=3, schedule="fixed", cost=spec.cost)
     assert not fixed.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD).stats.delegated
 
-    choice, picks = PathChoice(), []  # both paths measured first; the slower one again every EXPLORE-th call
-    for _ in range(2 * PathChoice.EXPLORE + 1):
-        path = choice.pick((1, "greedy"))
+    # Both paths measured first; then the faster one, and the slower one again after FIRST_GAP calls, then after
+    # twice as many while it keeps losing.
+    choice, picks, key = PathChoice(), [], (1, "greedy", "x")
+    gap = PathChoice.FIRST_GAP
+    for _ in range(2 + gap + 2 * gap):
+        path = choice.pick(key)
         picks.append(path)
-        choice.observe((1, "greedy"), path, 100.0 if path == "spec" else 50.0)
-    assert picks[:2] == ["spec", "plain"] and picks.count("plain") == 3 and picks[-1] == "spec"
+        choice.observe(key, path, 100.0 if path == "spec" else 50.0)
+    assert picks[:2] == ["spec", "plain"]
+    assert [i for i, p in enumerate(picks) if p == "plain"] == [1, 1 + gap, 1 + 3 * gap]
+    # One unlucky call does not flip the choice: the window's mean does.
+    choice.observe(key, "spec", 40.0)
+    assert choice.best(key) == "spec"
+    for _ in range(PathChoice.WINDOW):
+        choice.observe(key, "spec", 40.0)
+    assert choice.best(key) == "plain"
