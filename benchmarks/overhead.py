@@ -250,31 +250,45 @@ RECV = textwrap.dedent("""
 
 class Echo(torch.nn.Module):
     """An 8-layer 'model' whose layers return their input: a forward is 8 captures of that tensor, like
-    a decode step with probes on every residual stream (the per-step identity is shared by the 8)."""
+    a step with probes on every residual stream (the per-step identity is shared by the 8)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList([torch.nn.Identity() for _ in range(8)])
 
-    def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor, past_key_values: Past) -> torch.Tensor:
         for layer in self.layers:
             inputs_embeds = layer(inputs_embeds)
+        past_key_values.seen += input_ids.shape[1]
         return inputs_embeds
 
 
+class Past:
+    """All a KV cache tells the hooks: how many positions each row has before this step. A decode-sized
+    capture is one step of a running decode (one new token per row after a prefill), as in `generate`."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+
 def bus_throughput() -> None:
-    sizes = [(1, 768), (8, 768), (128, 768), (1024, 768)]  # decode b1, decode b8, prefill 128, prefill 8x128
+    # (batch, new tokens per row, hidden): decode b1, decode b8, prefill 128, prefill 8 x 128
+    sizes = [(1, 1, 768), (8, 1, 768), (1, 128, 768), (8, 128, 768)]
     torch.set_num_threads(1)
     print(f"\n## bus throughput: fp32 [rows, 768] captures through the hook path into a Subscriber in another "
           f"process, against raw pyzmq XPUB -> SUB (recv_multipart) of the same bytes; median of {ARGS.repeats} "
           "interleaved repeats")
-    for rows, hidden in sizes:
+    for batch, seq, hidden in sizes:
+        rows = batch * seq
         nbytes = rows * hidden * 4
         count = 8 * (max(200, min(20000, int(300e6 / nbytes))) // 8) if not ARGS.quick else 304
         res: dict[str, list[float]] = {"probebus": [], "raw pyzmq": []}
         for rep in range(ARGS.repeats):
             for mode in (["probebus", "raw pyzmq"] if rep % 2 == 0 else ["raw pyzmq", "probebus"]):
-                res[mode].append(_one_throughput(mode, rows, hidden, count))
+                res[mode].append(_one_throughput(mode, batch, seq, hidden, count))
         med = {m: statistics.median(v) for m, v in res.items()}
         print(f"  {nbytes / 1024:6.0f} KiB x {count:5d}: probebus {med['probebus']:8.0f} msg/s "
               f"({med['probebus'] * nbytes / 1e9:5.2f} GB/s) [{min(res['probebus']):.0f}..{max(res['probebus']):.0f}]"
@@ -282,11 +296,13 @@ def bus_throughput() -> None:
               f"   ratio {med['probebus'] / med['raw pyzmq']:.2f}")
 
 
-def _one_throughput(mode: str, rows: int, hidden: int, count: int) -> float:
+def _one_throughput(mode: str, batch: int, seq: int, hidden: int, count: int) -> float:
     """Messages per second in steady state: the receiver starts its clock after a warm-up that is long
     enough for probebus to have touched its whole staging ring once (first-touch page faults cost ~8x
-    a copy into mapped memory here: a one-off cost of a new session, not of a running bus)."""
-    payload = torch.randn(1, rows, hidden)
+    a copy into mapped memory here: a one-off cost of a new session, not of a running bus). One new
+    token per row is a decode step after a prefill; more is a prefill of a new batch each step."""
+    payload = torch.randn(batch, seq, hidden)
+    ids = torch.full((batch, seq), 5, dtype=torch.long)
     nbytes = payload.numel() * 4
     warm = 8 * -(-max(2000 if nbytes < (64 << 10) else 0, (64 << 20) // nbytes + 16) // 8)
     args = [str(warm), str(count)]
@@ -297,8 +313,9 @@ def _one_throughput(mode: str, rows: int, hidden: int, count: int) -> float:
                                      stdout=subprocess.PIPE, text=True)
             assert child.stdout is not None and child.stdout.readline().strip() == "ready"
             session.wait_for_subscribers(1, timeout=30)
+            past = Past()
             for _ in range((warm + count) // 8):
-                model(inputs_embeds=payload)
+                model(input_ids=ids, inputs_embeds=payload, past_key_values=past if seq == 1 else Past())
         return count / float(child.communicate()[0])
     sock = zmq.Context.instance().socket(zmq.XPUB)
     sock.setsockopt(zmq.XPUB_NODROP, 1)
