@@ -214,8 +214,14 @@ class Subscriber:
         except WireError as exc:
             return self._malformed(exc.kind, str(exc))
         held = self._held
-        for entry in entries:
-            cap = self._accept([entry])
+        for entry in entries:  # each entry is one capture's frame 0 (payload inline): parse_capture, inlined
+            try:
+                h, tokens, payload = decode_envelope(entry, None)
+            except WireError as exc:
+                self._wire_error(exc)
+                continue
+            cap = self._admit(Capture(h.site, h.layer, h.phase, h.step, h.run, h.dtype, h.hidden, h.n_tokens, tokens,
+                                      payload, h.seq, h.sent_ns))
             if cap is not None:
                 held.append(cap)
         return None
@@ -224,10 +230,17 @@ class Subscriber:
         try:
             cap = parse_capture(frames)
         except WireError as exc:
-            if exc.kind == "version" and not self._warned_version:
-                self._warned_version = True
-                warnings.warn(f"probebus: {exc} (from {self.endpoint})", stacklevel=4)
-            return self._malformed(exc.kind, str(exc))
+            return self._wire_error(exc)
+        return self._admit(cap)
+
+    def _wire_error(self, exc: WireError) -> None:
+        if exc.kind == "version" and not self._warned_version:
+            self._warned_version = True
+            warnings.warn(f"probebus: {exc} (from {self.endpoint})", stacklevel=5)
+        return self._malformed(exc.kind, str(exc))
+
+    def _admit(self, cap: Capture) -> Capture | None:
+        """Count a well-formed capture (sequence gaps, per-site totals); None when this subscriber filters it."""
         if not self.matcher.everything and not self.matcher.matches(cap.site):
             self.stats.filtered += 1
             return None

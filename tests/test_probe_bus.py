@@ -180,6 +180,34 @@ def test_dtypes_round_trip_bit_exactly() -> None:
         assert torch.equal(cap.tensor.view(bits), ref[0][0].view(bits))
 
 
+def test_views_with_an_offset_or_strides_are_captured_as_their_own_values() -> None:
+    """Small captures copy a contiguous tensor's bytes from its data pointer: a view that starts inside
+    its storage must give its own values, and a strided one goes through numpy."""
+    views = {
+        "offset": lambda o: torch.cat([o, 2 * o], dim=1)[:, o.shape[1]:],  # contiguous, starts mid-storage
+        "strided": lambda o: torch.cat([o, 2 * o], dim=-1)[..., : o.shape[-1]],  # rows 2H apart
+    }
+    for name, view in views.items():
+        model = build("llama")
+        ref: list[torch.Tensor] = []
+
+        def swap(m, a, o, view=view, ref=ref):  # noqa: ANN001, ANN202
+            out = view(o[0] if isinstance(o, tuple) else o)
+            ref.append(out.detach().clone())
+            return (out, *o[1:]) if isinstance(o, tuple) else out
+
+        h = model.model.layers[1].register_forward_hook(swap)  # before the probe's: the probe sees the view
+        assert ref == [] and (name == "offset") == view(torch.zeros(1, 3, 4)).is_contiguous()
+        with probe.attach(model, "layers.1.resid_post") as session:
+            sub = probe.Subscriber(session.endpoint)
+            session.wait_for_subscribers(1)
+            with torch.no_grad():
+                model(torch.tensor([[5, 6, 7, 8]]))
+        h.remove()
+        (cap,) = list(sub.iter(idle_timeout=1.0))
+        assert torch.equal(cap.tensor, ref[0][0]), name
+
+
 def test_capture_larger_than_the_ring_is_still_delivered_under_complete() -> None:
     model = build("llama")
     with probe.attach(model, "layers.0.resid_pre", capacity_bytes=1024) as session:
