@@ -208,6 +208,26 @@ def test_views_with_an_offset_or_strides_are_captured_as_their_own_values() -> N
         assert torch.equal(cap.tensor, ref[0][0]), name
 
 
+def test_a_steps_small_captures_leave_together_at_its_end_even_past_one_bundle() -> None:
+    """Small captures that fill more than one 64 KiB bundle wait for the step's end too: a send mid-forward
+    wakes ZeroMQ's I/O thread while the model computes. All arrive, in order, exactly once."""
+    model = build("llama", layers=3)  # 6 sites x 100 tokens x 64 x 4 B = 25 KiB each: 3 bundles per step
+    seen: list[int] = []
+    with probe.attach(model, ["layers.*.resid_post", "layers.*.mlp_out"]) as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for(sub, timeout=10)
+        h = model.model.norm.register_forward_hook(lambda m, a, o: seen.append(session.stats.published))
+        with torch.no_grad():
+            out = model(torch.arange(3, 103).unsqueeze(0), output_hidden_states=True)
+        h.remove()
+        assert seen == [0] and session.stats.published == 6  # nothing left during the forward, all at its end
+    caps = list(sub.iter(idle_timeout=1.0))
+    assert [c.site for c in caps] == [f"layers.{i}.{k}" for i in range(3) for k in ("mlp_out", "resid_post")]
+    assert sub.stats.missed == 0 and sub.stats.malformed == 0
+    for i in range(2):  # (transformers' last hidden state is the final norm's output, not layer 2's)
+        torch.testing.assert_close(caps[2 * i + 1].tensor, out.hidden_states[i + 1][0])
+
+
 def test_capture_larger_than_the_ring_is_still_delivered_under_complete() -> None:
     model = build("llama")
     with probe.attach(model, "layers.0.resid_pre", capacity_bytes=1024) as session:
