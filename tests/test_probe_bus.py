@@ -163,18 +163,24 @@ def test_add_and_remove_from_another_thread_take_effect_at_a_step_boundary() -> 
     assert len(later) == 4
 
 
+def _layer1_capture(model: torch.nn.Module, hook) -> probe.Capture:  # noqa: ANN001
+    """The one capture of layers.1.resid_post from a 4-token forward, with `hook` on layer 1 before the probe's."""
+    h = model.model.layers[1].register_forward_hook(hook)
+    with probe.attach(model, "layers.1.resid_post") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1)
+        with torch.no_grad():
+            model(torch.tensor([[5, 6, 7, 8]]))
+    h.remove()
+    (cap,) = list(sub.iter(idle_timeout=1.0))
+    return cap
+
+
 def test_dtypes_round_trip_bit_exactly() -> None:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         model = build("llama", dtype=dtype)
         ref: list[torch.Tensor] = []
-        h = model.model.layers[1].register_forward_hook(lambda m, a, o, ref=ref: ref.append(o.detach().clone()))
-        with probe.attach(model, "layers.1.resid_post") as session:
-            sub = probe.Subscriber(session.endpoint)
-            session.wait_for_subscribers(1)
-            with torch.no_grad():
-                model(torch.tensor([[5, 6, 7, 8]]))
-        h.remove()
-        (cap,) = list(sub.iter(idle_timeout=1.0))
+        cap = _layer1_capture(model, lambda m, a, o, ref=ref: ref.append(o.detach().clone()))
         assert cap.tensor.dtype == dtype
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         assert torch.equal(cap.tensor.view(bits), ref[0][0].view(bits))
@@ -196,15 +202,8 @@ def test_views_with_an_offset_or_strides_are_captured_as_their_own_values() -> N
             ref.append(out.detach().clone())
             return (out, *o[1:]) if isinstance(o, tuple) else out
 
-        h = model.model.layers[1].register_forward_hook(swap)  # before the probe's: the probe sees the view
-        assert ref == [] and (name == "offset") == view(torch.zeros(1, 3, 4)).is_contiguous()
-        with probe.attach(model, "layers.1.resid_post") as session:
-            sub = probe.Subscriber(session.endpoint)
-            session.wait_for_subscribers(1)
-            with torch.no_grad():
-                model(torch.tensor([[5, 6, 7, 8]]))
-        h.remove()
-        (cap,) = list(sub.iter(idle_timeout=1.0))
+        assert (name == "offset") == view(torch.zeros(1, 3, 4)).is_contiguous()
+        cap = _layer1_capture(model, swap)  # swap runs before the probe's hook: the probe sees the view
         assert torch.equal(cap.tensor, ref[0][0]), name
 
 
