@@ -84,8 +84,11 @@ class PathChoice:
         mean = {p: sum(v) / len(v) for p, v in obs.items()}
         return "spec" if mean["spec"] <= mean["plain"] else "plain"
 
+    def _window(self, key: tuple) -> dict[str, deque[float]]:
+        return self.spt.setdefault(key, {"spec": deque(maxlen=self.WINDOW), "plain": deque(maxlen=self.WINDOW)})
+
     def pick(self, key: tuple) -> str:
-        obs = self.spt.setdefault(key, {"spec": deque(maxlen=self.WINDOW), "plain": deque(maxlen=self.WINDOW)})
+        obs = self._window(key)
         if not obs["spec"] or not obs["plain"]:
             return "spec" if not obs["spec"] else "plain"
         best = self.best(key)
@@ -98,8 +101,7 @@ class PathChoice:
 
     def observe(self, key: tuple, path: str, tokens_per_s: float) -> None:
         before = self.best(key)
-        obs = self.spt.setdefault(key, {"spec": deque(maxlen=self.WINDOW), "plain": deque(maxlen=self.WINDOW)})
-        obs[path].append(1.0 / max(tokens_per_s, 1e-9))
+        self._window(key)[path].append(1.0 / max(tokens_per_s, 1e-9))
         if self.trying.pop(key, None) == path:  # a re-measurement: did the other path stay behind?
             lost = self.best(key) == before
             self.gap[key] = min(2 * self.gap.get(key, self.FIRST_GAP), self.MAX_GAP) if lost else self.FIRST_GAP

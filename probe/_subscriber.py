@@ -123,7 +123,11 @@ def parse_capture(frames: list) -> Capture:
     if len(frames) not in (1, 2):
         raise WireError("frames", f"expected 1 or 2 frames (envelope[, payload]), got {len(frames)}")
     bufs = [f if isinstance(f, (bytes, memoryview)) else f.buffer for f in frames]
-    h, tokens, payload = decode_envelope(memoryview(bufs[0]), memoryview(bufs[1]) if len(bufs) == 2 else None)
+    return _decode(memoryview(bufs[0]), memoryview(bufs[1]) if len(bufs) == 2 else None)
+
+
+def _decode(frame0: memoryview, payload_frame: memoryview | None) -> Capture:
+    h, tokens, payload = decode_envelope(frame0, payload_frame)
     return Capture(h.site, h.layer, h.phase, h.step, h.run, h.dtype, h.hidden, h.n_tokens, tokens, payload, h.seq,
                    h.sent_ns)
 
@@ -214,14 +218,12 @@ class Subscriber:
         except WireError as exc:
             return self._malformed(exc.kind, str(exc))
         held = self._held
-        for entry in entries:  # each entry is one capture's frame 0 (payload inline): parse_capture, inlined
+        for entry in entries:  # each entry is one capture's frame 0, payload inline (no frame list to build)
             try:
-                h, tokens, payload = decode_envelope(entry, None)
+                cap = self._admit(_decode(entry, None))
             except WireError as exc:
                 self._wire_error(exc)
                 continue
-            cap = self._admit(Capture(h.site, h.layer, h.phase, h.step, h.run, h.dtype, h.hidden, h.n_tokens, tokens,
-                                      payload, h.seq, h.sent_ns))
             if cap is not None:
                 held.append(cap)
         return None
