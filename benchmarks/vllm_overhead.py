@@ -1,6 +1,6 @@
 """What probes cost a vLLM engine, side by side with the transformers backend on the same model.
 
-    .venv-vllm/bin/python benchmarks/vllm_overhead.py              # 7 interleaved repeats, batch 1 and 8
+    .venv-vllm/bin/python benchmarks/vllm_overhead.py              # 15 interleaved rounds, batch 1 and 8
     .venv-vllm/bin/python benchmarks/vllm_overhead.py --quick
 
 Runs where vLLM is installed (see .ci/run for the environment). Model: a random Llama
@@ -9,7 +9,9 @@ Runs where vLLM is installed (see .ci/run for the environment). Model: a random 
 process draining everything. Placement "spare core": vLLM's worker computes on core 0
 (VLLM_CPU_OMP_THREADS_BIND=0), the transformers model's thread is pinned to core 0
 with 1 torch thread, and the subscriber runs on core 1. Throughput is generated
-tokens per second of the whole `generate` call, probes off vs on, interleaved.
+tokens per second of the whole `generate` call, probes off vs on, interleaved; each
+round's slowdown compares its own off and on runs (seconds apart, so they share the VM's
+drift), and the report gives the median of those next to the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -123,13 +125,14 @@ def report(name: str, results: dict[int, dict[str, list[float]]]) -> None:
         pairs = [100 * (1 - b / a) for a, b in zip(res["off"], res["on"], strict=True)]
         print(f"  {name:12s} batch {batch}: off {off:7.1f} tok/s [{min(res['off']):.1f}..{max(res['off']):.1f}]"
               f"  on {on:7.1f} tok/s [{min(res['on']):.1f}..{max(res['on']):.1f}]"
-              f"  slowdown {100 * (1 - on / off):+5.1f} % (per-round {min(pairs):+.1f}..{max(pairs):+.1f} %)")
+              f"  slowdown {100 * (1 - on / off):+5.1f} %, median of rounds {statistics.median(pairs):+5.1f} %"
+              f" (per-round {min(pairs):+.1f}..{max(pairs):+.1f} %)")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 repeats, 12 tokens: a smoke run")
-    ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds (default: %(default)s)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="concurrent requests (default: 1 8)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (default: %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens per request (default: %(default)s)")

@@ -29,11 +29,16 @@ Subscribers announce themselves with a private presence topic (counted by
 thread reads subscription messages at step boundaries; a control thread that sleeps
 50 ms at a time does it only while the model is idle, and after `close()` sends the
 end of stream and keeps the socket open until every subscriber has acknowledged it.
+
+`io_cpus` places ZeroMQ's I/O thread and the control thread on those cores. A process
+pinned to the model's cores (a vLLM CPU worker binds itself and every thread it starts
+to its OpenMP cores) would otherwise run them on the model's core, between its ops.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import warnings
@@ -67,7 +72,7 @@ def _finish_lingering() -> None:
 
 class Publisher:
     def __init__(self, endpoint: str, *, run: str, policy: str, sndhwm: int, curve_secret_key: bytes | None,
-                 stall_timeout: float | None) -> None:
+                 stall_timeout: float | None, io_cpus: set[int] | None = None) -> None:
         old = _LINGERING.get(endpoint)
         if old is not None:  # our own closed socket may still hold this address for its end of stream
             old._thread.join(max(0.0, old._deadline - time.monotonic()))
@@ -90,7 +95,10 @@ class Publisher:
         self._closing = threading.Event()
         self._end_body: dict = {}
         self._deadline = float("inf")
+        self.io_cpus = io_cpus
         self._ctx = zmq.Context(io_threads=1)
+        for cpu in sorted(io_cpus or ()):  # before the first socket: libzmq starts its I/O thread there
+            self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         sock = self._ctx.socket(zmq.XPUB)
         try:
             sock.setsockopt(zmq.XPUB_NODROP, 1 if self.complete else 0)
@@ -322,6 +330,8 @@ class Publisher:
         return not self._thread.is_alive()
 
     def _control(self) -> None:
+        if self.io_cpus:
+            os.sched_setaffinity(0, self.io_cpus)  # 0 is this thread here
         try:
             while not self._closing.wait(_IDLE_S):
                 if time.monotonic() - self.last_active < 2 * _IDLE_S:

@@ -150,7 +150,8 @@ class VllmProbe:
     each pipeline stage publishes the layers it computes."""
 
     def __init__(self, worker: object, sites: list[str], *, endpoint: str | None, policy: str, run: str,
-                 capacity_bytes: int, stall_timeout: float | None, model_name: str) -> None:
+                 capacity_bytes: int, stall_timeout: float | None, model_name: str,
+                 io_cpus: list[int] | None = None) -> None:
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         runner = worker.model_runner  # type: ignore[attr-defined]
@@ -184,8 +185,9 @@ class VllmProbe:
         if endpoint is None:
             self._ipc_dir = tempfile.mkdtemp(prefix="probebus-vllm-")
             endpoint = f"ipc://{self._ipc_dir}/bus"
+        cpus = spare_cpus() if io_cpus is None else set(io_cpus) or None
         self.publisher = Publisher(endpoint, run=run, policy=policy, sndhwm=max(64, capacity_bytes // ZERO_COPY_MIN),
-                                   curve_secret_key=None, stall_timeout=stall_timeout)
+                                   curve_secret_key=None, stall_timeout=stall_timeout, io_cpus=cpus)
         self.endpoint = self.publisher.endpoint
         self._copy = CopyPath(self.publisher, run=run.encode(), capacity=capacity_bytes,
                               cuda_device=None if runner.device.type == "cpu" else runner.device)
@@ -330,6 +332,20 @@ class VllmProbe:
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         return out
+
+
+def spare_cpus() -> set[int] | None:
+    """Cores this process may use but its threads are not bound to, or None when there are none.
+
+    vLLM's CPU worker binds itself, and every thread it starts later, to its OpenMP cores
+    (VLLM_CPU_OMP_THREADS_BIND), so without this ZeroMQ's I/O thread would run on the
+    model's core. The cores the engine process (our parent) may use are the ones vLLM left."""
+    mine = os.sched_getaffinity(0)
+    try:
+        allowed = os.sched_getaffinity(os.getppid())
+    except OSError:
+        allowed = set(range(os.cpu_count() or 1))
+    return (allowed - mine) or None
 
 
 def _num_tokens(args: tuple, n: int) -> int:

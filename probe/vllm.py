@@ -42,7 +42,8 @@ class WorkerExtension:
     """
 
     def probebus_attach(self, sites: list[str], endpoint: str | None, policy: str, run: str,
-                        capacity_bytes: int, stall_timeout: float | None, model_name: str) -> dict:
+                        capacity_bytes: int, stall_timeout: float | None, model_name: str,
+                        io_cpus: list[int] | None = None) -> dict:
         from ._sites import expand_sites
         from ._vllm_worker import VllmArch, VllmProbe
 
@@ -51,7 +52,7 @@ class WorkerExtension:
         arch = VllmArch(self.model_runner.get_model())  # type: ignore[attr-defined]
         wanted = expand_sites(_SiteView(arch), sites)
         probe = VllmProbe(self, wanted, endpoint=endpoint, policy=policy, run=run, capacity_bytes=capacity_bytes,
-                          stall_timeout=stall_timeout, model_name=model_name)
+                          stall_timeout=stall_timeout, model_name=model_name, io_cpus=io_cpus)
         self._probebus = probe
         return {"endpoint": probe.endpoint, "sites": probe.sites, "tp_rank": probe.tp_rank,
                 "pp_rank": probe.pp_rank, "publishing": probe.publishing}
@@ -62,7 +63,7 @@ class WorkerExtension:
         a = json.loads(spec)
         return self.probebus_attach(a["sites"], a.get("endpoint"), a.get("policy", "complete"), a["run"],
                                     int(a.get("capacity_bytes", 64 << 20)), a.get("stall_timeout", 60.0),
-                                    a.get("model_name", ""))
+                                    a.get("model_name", ""), a.get("io_cpus"))
 
     def probebus_detach(self, timeout: float = 30.0) -> dict:
         probe = getattr(self, "_probebus", None)
@@ -213,7 +214,7 @@ class HttpEngine:
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         if method == "probebus_attach":  # the route passes strings only
-            keys = ("sites", "endpoint", "policy", "run", "capacity_bytes", "stall_timeout", "model_name")
+            keys = ("sites", "endpoint", "policy", "run", "capacity_bytes", "stall_timeout", "model_name", "io_cpus")
             method, args = "probebus_attach_json", (json.dumps(dict(zip(keys, args, strict=True))),)
         elif method in ("probebus_detach", "probebus_wait_for_subscribers"):
             args = ()  # defaults on the worker side (strings would not do for numbers)
@@ -236,9 +237,14 @@ class HttpEngine:
 
 
 def attach(llm: Any, sites: str | Iterable[str], *, endpoint: str | None = None, policy: str = "complete",
-           capacity_bytes: int = 64 << 20, stall_timeout: float | None = 60.0, run: str | None = None) -> VllmSession:
+           capacity_bytes: int = 64 << 20, stall_timeout: float | None = 60.0, run: str | None = None,
+           io_cpus: Iterable[int] | None = None) -> VllmSession:
     """Attach probes to every worker of a running vLLM engine (an `LLM`, or anything with
-    `collective_rpc(method, args=...)`); see `probe.attach` for the arguments."""
+    `collective_rpc(method, args=...)`); see `probe.attach` for the other arguments.
+
+    `io_cpus`: the cores for the bus's background threads (ZeroMQ's I/O thread and the control
+    thread) in each worker. By default, the cores the engine may use but the worker is not bound
+    to (a CPU worker binds itself to VLLM_CPU_OMP_THREADS_BIND); `[]` leaves them on the worker's."""
     from ._vllm_worker import new_run
 
     if policy not in POLICIES:
@@ -247,7 +253,8 @@ def attach(llm: Any, sites: str | Iterable[str], *, endpoint: str | None = None,
     run = run or new_run()
     rpc = _rpc_of(llm)
     model = _model_name(llm)
-    results = rpc("probebus_attach", names, endpoint, policy, run, capacity_bytes, stall_timeout, model)
+    cpus = None if io_cpus is None else sorted(int(c) for c in io_cpus)
+    results = rpc("probebus_attach", names, endpoint, policy, run, capacity_bytes, stall_timeout, model, cpus)
     return VllmSession(rpc, results, run=run, policy=policy)
 
 

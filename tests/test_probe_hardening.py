@@ -353,3 +353,39 @@ def test_a_subscriber_that_reconnects_in_a_loop_does_not_keep_a_closed_session_o
     finally:
         drain.kill()
         drain.wait()
+
+
+PINNED = textwrap.dedent("""
+    import json, os, sys
+    from probe._publisher import Publisher
+    from probe._vllm_worker import spare_cpus
+    os.sched_setaffinity(0, {0})  # as a vLLM CPU worker binds itself to its OpenMP core
+    before = set(os.listdir("/proc/self/task"))
+    cpus = spare_cpus() if sys.argv[1] == "spare" else None
+    pub = Publisher("tcp://127.0.0.1:*", run="r", policy="complete", sndhwm=64, curve_secret_key=None,
+                    stall_timeout=1.0, io_cpus=cpus)
+    threads = {}
+    for tid in set(os.listdir("/proc/self/task")) - before:
+        name = open(f"/proc/self/task/{tid}/comm").read().strip()
+        threads[f"{name}:{tid}"] = sorted(os.sched_getaffinity(int(tid)))
+    pub.close({}, 1.0)
+    print(json.dumps({"spare": sorted(cpus or ()), "threads": threads}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux thread affinity and two cores")
+def test_bus_threads_leave_the_core_a_vllm_worker_is_pinned_to() -> None:
+    """A vLLM CPU worker binds every thread it starts to its OpenMP cores; the bus's I/O and control
+    threads go to the cores the parent may use and the worker does not, and stay put when told nothing."""
+    out = {}
+    for mode in ("spare", "none"):
+        run = subprocess.run([sys.executable, "-c", PINNED, mode], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        out[mode] = json.loads(run.stdout)
+    spare = out["spare"]["spare"]
+    assert spare == sorted(os.sched_getaffinity(0) - {0})
+    moved = out["spare"]["threads"]
+    assert any(name.startswith("ZMQbg/IO") for name in moved) and len(moved) >= 3  # I/O, reaper, control
+    assert all(cpus == spare for cpus in moved.values()), moved
+    assert all(cpus == [0] for cpus in out["none"]["threads"].values()), out["none"]  # the negative control
