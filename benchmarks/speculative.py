@@ -69,7 +69,7 @@ class ForwardCounter:
 
 
 def no_hooks(model: torch.nn.Module) -> bool:
-    return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    return not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in model.modules())
 
 
 NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "MTP attn": "mtp-attn", "clustered": "clustered",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 from models import PAD, build, left_padded
 
 import probe
+from probe._hooks import tapped
 
 CHILD = textwrap.dedent("""
     import json, sys, time, hashlib
@@ -90,12 +92,13 @@ def test_best_effort_never_blocks_and_counters_add_up(tmp_path: Path) -> None:
 def test_close_removes_every_hook_and_output_is_unchanged() -> None:
     model = build("gpt2")
     before = _generate(model)
-    hooks_before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    hooks_before = tapped(model)
     session = probe.attach(model, "*")
-    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) > hooks_before
+    assert tapped(model) > hooks_before
     during = _generate(model)
     session.close()
-    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == hooks_before == 0
+    assert tapped(model) == hooks_before == 0
+    assert not any("forward" in m.__dict__ for m in model.modules())  # every module has its own forward back
     assert torch.equal(before, during) and torch.equal(before, _generate(model))
     assert session.stats.captured == session.stats.published + session.stats.dropped
 
@@ -161,6 +164,50 @@ def test_add_and_remove_from_another_thread_take_effect_at_a_step_boundary() -> 
     later = [c for c in caps if c.step > 1]
     assert later and all(c.site == "layers.2.attn_out" for c in later)
     assert len(later) == 4
+
+
+def test_taps_keep_a_replaced_forward_and_the_signature_transformers_reads() -> None:
+    """Sites are taps on `forward` (not hooks): a forward that something else put on the instance first (as
+    accelerate does) is the one called, and is put back on close; one wrapped over ours afterwards survives the
+    close and still reaches the module; `generate` sees forward's own parameters throughout."""
+    model = build("llama")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    ref = _generate(model)
+    with torch.no_grad():  # another copy: transformers records hidden states with hooks of its own
+        hidden = build("llama")(ids, output_hidden_states=True).hidden_states
+    layer0, layer1 = model.model.layers[0], model.model.layers[1]
+    calls: list[str] = []
+    theirs = layer0.forward
+
+    def replaced(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append("replaced")
+        return theirs(*args, **kwargs)
+
+    layer0.forward = replaced
+    params = inspect.signature(model.forward).parameters
+    session = probe.attach(model, "layers.0.resid_post,layers.1.resid_post")
+    sub = probe.Subscriber(session.endpoint)
+    session.wait_for_subscribers(1)
+    assert inspect.signature(model.forward).parameters == params and "logits_to_keep" in params
+    assert tapped(model) == 4 and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    ours = layer1.forward
+
+    def later(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append("later")
+        return ours(*args, **kwargs)
+
+    layer1.forward = later
+    with torch.no_grad():
+        model(ids)
+    session.close()
+    caps = {c.site: c.tensor for c in sub.iter(idle_timeout=2.0)}
+    assert calls == ["replaced", "later"]
+    assert torch.equal(caps["layers.0.resid_post"], hidden[1][0])
+    assert torch.equal(caps["layers.1.resid_post"], hidden[2][0])
+    assert layer0.forward is replaced and layer1.forward is later and "forward" not in model.__dict__
+    assert tapped(model) == 0
+    calls.clear()
+    assert torch.equal(_generate(model), ref) and calls.count("replaced") == calls.count("later") > 0
 
 
 def _layer1_capture(model: torch.nn.Module, hook) -> probe.Capture:  # noqa: ANN001

@@ -11,6 +11,7 @@ import zmq
 from models import build
 
 import probe
+from probe._hooks import tapped
 from probe._wire import ERROR_KINDS, HEADER, MAGIC, VERSION, encode_envelope
 
 
@@ -22,7 +23,7 @@ def test_unknown_site_lists_what_is_available() -> None:
         probe.match_sites(model, "layers.7.resid_post")
     with pytest.raises(probe.SiteError, match="bad layer selector"):
         probe.match_sites(model, "layers.x.resid_post")
-    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+    assert tapped(model) == 0
 
 
 def test_patterns_select_the_right_sites() -> None:
@@ -62,7 +63,7 @@ def test_default_endpoint_is_private_and_remote_binds_are_refused() -> None:
         assert session.endpoint.startswith("tcp://127.0.0.1:")
     with pytest.raises(ValueError, match="policy must be one of"):
         probe.attach(model, "embed", policy="lossy")
-    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+    assert tapped(model) == 0
 
 
 def test_wait_for_subscribers_times_out_clearly() -> None:
