@@ -51,6 +51,7 @@ from torch import nn
 from . import _discovery
 from ._arch import LAYER_SITES, ArchitectureError, SiteError
 from ._copy import CopyPath, SiteKey
+from ._hooks import tap
 from ._identity import DECODE, PREFILL, StepIdentity
 from ._publisher import ZERO_COPY_MIN, Publisher
 from ._sites import site_layer
@@ -96,26 +97,26 @@ class VllmArch:
         """Register the hook that hands `fn(key, tensor)` this site's tensor; returns its handle."""
         key = SiteKey(site, site.encode(), site_layer(site))
         if site == "embed":
-            return self.embed.register_forward_hook(partial(_out, fn, key))
+            return tap(self.embed, partial(_out, fn, key), pre=False)
         if site == "final_norm":
-            return self.norm.register_forward_hook(partial(_out, fn, key))
+            return tap(self.norm, partial(_out, fn, key), pre=False)
         _, i, name = site.split(".")
         layer = self.layers[int(i)]
         if name == "resid_pre":
-            return layer.input_layernorm.register_forward_hook(partial(_stream, fn, key))
+            return tap(layer.input_layernorm, partial(_stream, fn, key), pre=False)
         if name == "resid_post":
             nxt = int(i) + 1
             if nxt < self.n_layers and nxt in self.local:
-                return self.layers[nxt].input_layernorm.register_forward_hook(partial(_stream, fn, key))
+                return tap(self.layers[nxt].input_layernorm, partial(_stream, fn, key), pre=False)
             if nxt == self.n_layers and _is_module(self.norm):
-                return self.norm.register_forward_hook(partial(_stream, fn, key))
-            return layer.register_forward_hook(partial(_summed_out, fn, key))  # the stage ends here
+                return tap(self.norm, partial(_stream, fn, key), pre=False)
+            return tap(layer, partial(_summed_out, fn, key), pre=False)  # the stage ends here
         if name == "attn_out":
-            return layer.self_attn.register_forward_hook(partial(_out, fn, key))
+            return tap(layer.self_attn, partial(_out, fn, key), pre=False)
         if name == "resid_mid":
-            return layer.post_attention_layernorm.register_forward_hook(partial(_stream, fn, key))
+            return tap(layer.post_attention_layernorm, partial(_stream, fn, key), pre=False)
         if name == "mlp_out":
-            return layer.mlp.register_forward_hook(partial(_out, fn, key))
+            return tap(layer.mlp, partial(_out, fn, key), pre=False)
         raise SiteError(f"site {site!r} is not defined for vLLM models")
 
 
@@ -192,20 +193,19 @@ class VllmProbe:
         self._copy = CopyPath(self.publisher, run=run.encode(), capacity=capacity_bytes,
                               cuda_device=None if runner.device.type == "cpu" else runner.device)
         model = self.arch.model
-        self._handles = [model.register_forward_pre_hook(self._step_start),
-                         model.register_forward_hook(self._step_end)]
+        self._handles = [tap(model, self._step_start, pre=True), tap(model, self._step_end, pre=False)]
         self._handles += [self.arch.hook(site, self._capture) for site in self.sites]
         self.publisher.set_info(self.info())
         self._registered = _discovery.register(_discovery.SessionInfo.from_dict(self.info()))
 
     # --- identity from the model runner's flat batch ------------------------------------------
-    def _step_start(self, module: nn.Module, args: tuple) -> None:
+    def _step_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         r = self.runner
         ib = r.input_batch
         nreq = ib.num_reqs
         qsl = r.query_start_loc.np[: nreq + 1]
         n = int(qsl[nreq])
-        padded = _num_tokens(args, n)
+        padded = _num_tokens(args, kwargs, n)
         if n == nreq == padded and n:
             fast = self._decode_step(r, ib, qsl, n)
             if fast is not None:
@@ -348,9 +348,9 @@ def spare_cpus() -> set[int] | None:
     return (allowed - mine) or None
 
 
-def _num_tokens(args: tuple, n: int) -> int:
+def _num_tokens(args: tuple, kwargs: dict, n: int) -> int:
     """Rows of this forward (the scheduled tokens plus any padding vLLM added)."""
-    for a in args[:2]:
+    for a in (*args[:2], kwargs.get("input_ids"), kwargs.get("positions")):
         if isinstance(a, torch.Tensor) and a.dim() >= 1:
             return int(a.shape[-1] if a.dim() == 2 else a.shape[0])  # M-RoPE positions are [3, T]
     return n

@@ -83,9 +83,10 @@ class WorkerExtension:
         return probe.wait_for_subscribers(n, timeout) if probe is not None else 0
 
     def probebus_hook_count(self) -> int:
-        """Forward hooks and pre-hooks on the model's modules (0 once detached)."""
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+        """Hooks and taps on the model's modules (0 once detached)."""
+        from ._hooks import tapped
+
+        return tapped(self.model_runner.get_model())  # type: ignore[attr-defined]
 
     def probebus_sites(self) -> list[str]:
         from ._vllm_worker import VllmArch
