@@ -6,11 +6,12 @@
         model.generate(**inputs, max_new_tokens=16)
     print(session.stats)
 
-Each site is one PyTorch hook (forward hook for outputs, forward pre-hook for inputs)
-plus one pre-hook and one hook on the model itself: the pre-hook computes the step's
-identity once (`_identity.py`), a site hook copies the valid rows into a message
-(`_copy.py`) that ZeroMQ sends from its own I/O thread, and the model hook reads any
-new subscriptions. Removing the last site removes every hook.
+Each site is one tap on its module's forward (after it for outputs, before it for
+inputs; `_hooks.tap`, which PyTorch calls at the cost of a plain call, unlike a hook)
+plus a tap before and after the model's own forward: the first computes the step's
+identity once (`_identity.py`), a site tap copies the valid rows into a message
+(`_copy.py`) that ZeroMQ sends from its own I/O thread, and the last reads any new
+subscriptions. Removing the last site gives every module its own forward back.
 """
 
 from __future__ import annotations
