@@ -70,6 +70,24 @@ def _finish_lingering() -> None:
         pub._thread.join(max(0.0, pub._deadline - time.monotonic()) if pub.complete else 2.0)
 
 
+def _usable(cpus: set[int] | None) -> set[int] | None:
+    """The cores of `cpus` this process's threads may run on (ours, or our parent's), or None.
+
+    libzmq aborts the whole process when its I/O thread's affinity names no usable core
+    (`pthread_setaffinity_np` fails and it asserts), so a bad `io_cpus` is dropped here, with a warning."""
+    if not cpus:
+        return None
+    usable = os.sched_getaffinity(0)
+    try:
+        usable = usable | os.sched_getaffinity(os.getppid())
+    except OSError:
+        pass
+    if not set(cpus) & usable:
+        warnings.warn(f"probebus: io_cpus {sorted(cpus)} are not cores this process may use ({sorted(usable)}); "
+                      "the bus's threads stay on the process's own cores", stacklevel=3)
+    return (set(cpus) & usable) or None
+
+
 class Publisher:
     def __init__(self, endpoint: str, *, run: str, policy: str, sndhwm: int, curve_secret_key: bytes | None,
                  stall_timeout: float | None, io_cpus: set[int] | None = None) -> None:
@@ -95,9 +113,9 @@ class Publisher:
         self._closing = threading.Event()
         self._end_body: dict = {}
         self._deadline = float("inf")
-        self.io_cpus = io_cpus
+        self.io_cpus = _usable(io_cpus)
         self._ctx = zmq.Context(io_threads=1)
-        for cpu in sorted(io_cpus or ()):  # before the first socket: libzmq starts its I/O thread there
+        for cpu in sorted(self.io_cpus or ()):  # before the first socket: libzmq starts its I/O thread there
             self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         sock = self._ctx.socket(zmq.XPUB)
         try:
@@ -331,7 +349,10 @@ class Publisher:
 
     def _control(self) -> None:
         if self.io_cpus:
-            os.sched_setaffinity(0, self.io_cpus)  # 0 is this thread here
+            try:
+                os.sched_setaffinity(0, self.io_cpus)  # 0 is this thread here
+            except OSError:  # the cores went away (cpuset changed): stay where we are
+                pass
         try:
             while not self._closing.wait(_IDLE_S):
                 if time.monotonic() - self.last_active < 2 * _IDLE_S:

@@ -361,7 +361,7 @@ PINNED = textwrap.dedent("""
     from probe._vllm_worker import spare_cpus
     os.sched_setaffinity(0, {0})  # as a vLLM CPU worker binds itself to its OpenMP core
     before = set(os.listdir("/proc/self/task"))
-    cpus = spare_cpus() if sys.argv[1] == "spare" else None
+    cpus = spare_cpus() if sys.argv[1] == "spare" else {4096} if sys.argv[1] == "bogus" else None
     pub = Publisher("tcp://127.0.0.1:*", run="r", policy="complete", sndhwm=64, curve_secret_key=None,
                     stall_timeout=1.0, io_cpus=cpus)
     threads = {}
@@ -379,13 +379,16 @@ def test_bus_threads_leave_the_core_a_vllm_worker_is_pinned_to() -> None:
     """A vLLM CPU worker binds every thread it starts to its OpenMP cores; the bus's I/O and control
     threads go to the cores the parent may use and the worker does not, and stay put when told nothing."""
     out = {}
-    for mode in ("spare", "none"):
+    for mode in ("spare", "none", "bogus"):
         run = subprocess.run([sys.executable, "-c", PINNED, mode], capture_output=True, text=True, timeout=60)
-        assert run.returncode == 0, run.stderr
+        assert run.returncode == 0, run.stderr  # libzmq aborts the process on an affinity with no usable core
         out[mode] = json.loads(run.stdout)
+        out[mode]["stderr"] = run.stderr
     spare = out["spare"]["spare"]
     assert spare == sorted(os.sched_getaffinity(0) - {0})
     moved = out["spare"]["threads"]
     assert any(name.startswith("ZMQbg/IO") for name in moved) and len(moved) >= 3  # I/O, reaper, control
     assert all(cpus == spare for cpus in moved.values()), moved
     assert all(cpus == [0] for cpus in out["none"]["threads"].values()), out["none"]  # the negative control
+    assert "io_cpus [4096] are not cores this process may use" in out["bogus"]["stderr"]
+    assert all(cpus == [0] for cpus in out["bogus"]["threads"].values()), out["bogus"]
