@@ -53,6 +53,7 @@ from decoder import (  # noqa: E402
     oracle_bound,
     simulated_seconds,
 )
+from decoder._cost import PathChoice  # noqa: E402
 from probebus._load import load_model  # noqa: E402
 
 
@@ -186,8 +187,11 @@ def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float
         methods.insert(-1, "EAGLE-3 remote")
     b = min(batch, len(prompts))
     cost.ensure(b, args.k, drafter)
-    for m in methods:  # warm-up (first-call costs, the cost curve's measurement), not timed
+    learned = cost.paths  # warm-up (first-call costs, the cost curve's measurement): not timed, and auto's
+    cost.paths = PathChoice()  # hand-over learns nothing from its short calls
+    for m in methods:
         run_method(m, model, tok, prompts[:b], b, temp, _short(args), drafter, cost, remote_addr)
+    cost.paths = learned
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     for rep in range(args.repeats):
         for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:

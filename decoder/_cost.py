@@ -56,8 +56,9 @@ def _model_key(target: nn.Module) -> str:
 
 class PathChoice:
     """Whole calls, per (batch, mode, drafter): speculative rounds or the target's own `generate`, whichever took
-    fewer seconds per token over its last WINDOW calls (a harmonic mean of the rates: what a run of calls waits
-    for). The other path is measured again after `gap` calls; each time it loses again the gap doubles (up to
+    fewer seconds per token over its last WINDOW calls (their seconds over their tokens: what a run of calls
+    waits for; a short call, whose rate is mostly its prefill and first-call costs, weighs what its tokens do).
+    The other path is measured again after `gap` calls; each time it loses again the gap doubles (up to
     MAX_GAP), so a path that loses by a steady margin costs less and less to keep an eye on.
 
     A plain round of the speculative loop costs more than a step of `generate` (inputs, verify, per-row
@@ -66,13 +67,23 @@ class PathChoice:
     losing; the comparison is of whole calls because that is what the user waits for. One call's rate
     depends on its prompt (drafts are accepted more on some), so a single unlucky call must not flip the
     choice: the window averages over prompts, where the earlier rule (the last two calls, re-tried every
-    8th) lost a gain of 1.3x on some sets to calls handed over after one bad prompt."""
+    8th) lost a gain of 1.3x on some sets to calls handed over after one bad prompt.
+
+    The first calls need the same care. A fresh decoder's first call pays the drafter's warm-up and learns its
+    calibration from nothing, and per-call speedups spread 0.8-2.6x over one set of prompts at batch 1. So
+    the speculative path keeps the calls until it has MIN_SPEC of them, unless it lost by more than CLEAR at
+    once (drafting at batch 8 or T = 0.8 here ran 0.6-0.8x). Measured on the third-party set alone, one
+    8-token call (the benchmark's warm-up, 72-97 tok/s, mostly its prefill, against 152 for a 96-token plain
+    call) weighed as much as a 96-token one, and the earlier rule handed nearly every later call to
+    `generate` (auto 0.92x, tau 1.03) where drafting paid 1.3x."""
 
     WINDOW = 8
     FIRST_GAP, MAX_GAP = 8, 64
+    MIN_SPEC = 3  # speculative calls measured before it may lose by a small margin
+    CLEAR = 1.15  # seconds per token against plain's that lose at once
 
     def __init__(self) -> None:
-        self.spt: dict[tuple, dict[str, deque[float]]] = {}  # seconds per token of recent calls, per path
+        self.spt: dict[tuple, dict[str, deque[tuple[float, int]]]] = {}  # (seconds, tokens) of recent calls
         self.gap: dict[tuple, int] = {}
         self.since: dict[tuple, int] = {}  # calls since the other path was last measured
         self.trying: dict[tuple, str] = {}  # the path a call is re-measuring
@@ -81,10 +92,12 @@ class PathChoice:
         obs = self.spt.get(key)
         if not obs or not obs["spec"] or not obs["plain"]:
             return None
-        mean = {p: sum(v) / len(v) for p, v in obs.items()}
+        mean = {p: sum(s for s, _ in v) / max(sum(n for _, n in v), 1) for p, v in obs.items()}
+        if len(obs["spec"]) < self.MIN_SPEC:  # too few prompts to call a small loss
+            return "spec" if mean["spec"] <= self.CLEAR * mean["plain"] else "plain"
         return "spec" if mean["spec"] <= mean["plain"] else "plain"
 
-    def _window(self, key: tuple) -> dict[str, deque[float]]:
+    def _window(self, key: tuple) -> dict[str, deque[tuple[float, int]]]:
         return self.spt.setdefault(key, {"spec": deque(maxlen=self.WINDOW), "plain": deque(maxlen=self.WINDOW)})
 
     def pick(self, key: tuple) -> str:
@@ -99,9 +112,9 @@ class PathChoice:
             return self.trying[key]
         return best  # type: ignore[return-value]
 
-    def observe(self, key: tuple, path: str, tokens_per_s: float) -> None:
+    def observe(self, key: tuple, path: str, tokens_per_s: float, tokens: int = 1) -> None:
         before = self.best(key)
-        self._window(key)[path].append(1.0 / max(tokens_per_s, 1e-9))
+        self._window(key)[path].append((tokens / max(tokens_per_s, 1e-9), max(tokens, 1)))
         if self.trying.pop(key, None) == path:  # a re-measurement: did the other path stay behind?
             lost = self.best(key) == before
             self.gap[key] = min(2 * self.gap.get(key, self.FIRST_GAP), self.MAX_GAP) if lost else self.FIRST_GAP

@@ -168,7 +168,7 @@ class SpeculativeDecoder:
         if auto and self.cost.paths.pick(key) == "plain":
             out = self._plain(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
                               pad_token_id, streamer)
-            self.cost.paths.observe(key, "plain", out.stats.tokens_per_s)
+            self.cost.paths.observe(key, "plain", out.stats.tokens_per_s, out.stats.emitted)
             return out
         run = self._start(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
                           streamer)
@@ -190,7 +190,7 @@ class SpeculativeDecoder:
         if run.streamer is not None:
             run.streamer.end()
         if auto:
-            self.cost.paths.observe(key, "spec", run.stats.tokens_per_s)
+            self.cost.paths.observe(key, "spec", run.stats.tokens_per_s, run.stats.emitted)
         return SpecOutput(run.sequences(pad_token_id), run.stats)
 
     def _plain(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,

@@ -138,3 +138,21 @@ def test_calls_where_drafting_does_not_pay_run_as_the_targets_own_generate(tmp_p
     for _ in range(PathChoice.WINDOW):
         choice.observe(key, "spec", 40.0)
     assert choice.best(key) == "plain"
+
+    # The first calls: a small loss is not yet evidence (one prompt's drafts may just be accepted less), so
+    # the speculative path keeps the calls until MIN_SPEC of them; a clear loss hands over at once.
+    small, clear = PathChoice(), PathChoice()
+    for c, rate in ((small, 95.0), (clear, 100.0 / PathChoice.CLEAR - 5.0)):
+        c.observe(key, c.pick(key), rate)
+        c.observe(key, c.pick(key), 100.0)
+    assert small.pick(key) == "spec" and clear.pick(key) == "plain"
+    while len(small.spt[key]["spec"]) < PathChoice.MIN_SPEC:
+        small.observe(key, small.pick(key), 95.0)
+    assert small.pick(key) == "plain"
+    # A short call's rate is mostly its prefill and first-call costs: the window weighs calls by their tokens.
+    weighed = PathChoice()
+    weighed.observe(key, "spec", 20.0, tokens=8)
+    weighed.observe(key, "plain", 80.0, tokens=96)
+    for _ in range(2):
+        weighed.observe(key, "spec", 100.0, tokens=96)
+    assert weighed.best(key) == "spec"
