@@ -306,20 +306,21 @@ class SpeculativeDecoder:
         if self.feeder is None and self.ngram is None:
             return plain
         active = run.active()
-        consult = self.feeder is not None and self._pick(run)
-        sched, frozen = run.sched, run.seeded
         props, match, overlap = [[] for _ in range(b)], [0] * b, [0.0] * b
         if run.ngram is not None:
             for r in range(b):
                 if active[r]:
                     props[r], match[r] = run.ngram[r].propose(k)
                     overlap[r] = run.ngram[r].overlap
-        if not consult:
-            if not any(props):  # nothing to weigh: a plain step, without building a plan
-                return plain
-        caps = [k if a else -1 for a in active] if sched.fixed else run.caps(k)
-        e_scale, g_scale = run.fix["eagle"].scale(), run.fix["ngram"].scale()
-        base = sched.ngram_prefix(props, match, overlap, g_scale) if run.ngram is not None else [[0.0]] * b
+        caps = [k if a else -1 for a in active] if self.sched.fixed else run.caps(k)
+        base = run.sched.ngram_prefix(props, match, overlap, run.fix["ngram"].scale()) if run.ngram is not None \
+            else [[0.0]] * b  # (every slot's scheduler shares the n-gram calibration)
+        ctx = Scheduler.context(base, caps)  # what n-gram offers: whether asking EAGLE-3 pays is learnt per band
+        consult = self.feeder is not None and self._pick(run, ctx)
+        sched, frozen = run.sched, run.seeded
+        if not consult and not any(props):  # nothing to weigh: a plain step, without building a plan
+            return plain
+        e_scale = run.fix["eagle"].scale()
         calib = sched.eagle_calib[run.mode]
         curve = self.cost.curve(b, k, frozen, capturing=self._capturing and not frozen)
         plain = 1.0 / curve[0]  # the last row's tokens per second in plain steps
@@ -345,7 +346,7 @@ class SpeculativeDecoder:
         if eagle is not None and not sched.fixed:  # did asking EAGLE-3 pay for its own time (probes included)?
             spent = plan.step_cost * n_eagle if frozen else \
                 eagle.bus_s + eagle.compute_s + self.cost.capture_tax(b, choice.length)
-            sched.consulted(plan.best(prefix)[0] - plan.best(None)[0] - plan.rate * spent)
+            sched.consulted(plan.best(prefix)[0] - plan.best(None)[0] - plan.rate * spent, ctx)
         return self._assemble(run, choice, eagle, props, match, overlap)
 
     def _assemble(self, run: Run, choice, eagle: Drafts | None, props: list[list[int]], match: list[int],  # noqa: ANN001
@@ -509,14 +510,14 @@ class SpeculativeDecoder:
             run.cur, run.sched, run.fix["eagle"] = i, run.scheds[i], run.fixes[i]
             run.feeds = run.feeds_by[i]
 
-    def _pick(self, run: Run) -> bool:
+    def _pick(self, run: Run, ctx: int = 0) -> bool:
         """Which model drafter this round consults, if any: every slot's wait counts down each round; among the
         slots ready, one never tried first, then the one whose consults paid best lately. The others drain
         their features off the bus so it never backs up."""
-        ready = [i for i, sc in enumerate(run.scheds) if sc.consult_eagle()]
+        ready = [i for i, sc in enumerate(run.scheds) if sc.consult_eagle(ctx)]
         if ready:
             tried = run.tried if run.seeded else self._tried  # a seeded call depends on nothing learned earlier
-            i = max(ready, key=lambda j: (j not in tried, run.scheds[j].net))
+            i = max(ready, key=lambda j: (j not in tried, run.scheds[j].net[ctx]))
             tried.add(i)
             self._use(run, i)
         for j, slot in enumerate(self.slots):
@@ -540,7 +541,7 @@ class SpeculativeDecoder:
 
     def _awake(self, run: Run) -> bool:
         """Keep the probes on unless every model drafter rests long enough for removing them to pay."""
-        return run.sched.fixed or min(sc.wait for sc in run.scheds) < self._sleep_after(run.b)
+        return run.sched.fixed or min(sc.rest for sc in run.scheds) < self._sleep_after(run.b)
 
     def _sleep_after(self, batch: int) -> int:
         """Rounds of rest from which taking the probes off pays: removing and adding them back costs

@@ -181,9 +181,15 @@ class Choice:
 
 
 class Scheduler:
-    """Per-decoder state: calibration (kept across calls, slowly forgotten) and the EAGLE-3 consult backoff."""
+    """Per-decoder state: calibration (kept across calls, slowly forgotten) and the EAGLE-3 consult backoff.
+
+    Whether asking EAGLE-3 pays depends on what n-gram lookup already offers that round: next to a long,
+    likely copy its drafts add little, where n-gram has nothing they may be all the round gains. One average
+    over all rounds let the first kind back EAGLE-3 off in the second. So the backoff is kept per context,
+    the n-gram's expected accepted drafts in bands (`context`), and each context learns on its own."""
 
     MAX_BACKOFF = 64
+    BANDS = (0.5, 1.5)  # expected accepted n-gram drafts of the round's slowest row: < 0.5, < 1.5, more
 
     def __init__(self, k: int, *, fixed: bool = False) -> None:
         self.k, self.fixed = k, fixed
@@ -193,25 +199,38 @@ class Scheduler:
 
     def reset(self) -> None:
         """Forget everything: consult EAGLE-3 at once."""
-        self.backoff, self.wait, self.net = 1, 0, 0.0  # unknown: the first consult decides
+        n = len(self.BANDS) + 1  # unknown: the first consult in each context decides
+        self.backoff, self.wait, self.net = [1] * n, [0] * n, [0.0] * n
+
+    @classmethod
+    def context(cls, base: list[list[float]], caps: list[int]) -> int:
+        """The round's band: the least any live row expects to gain from its n-gram proposal."""
+        least = min((g[-1] for g, c in zip(base, caps, strict=True) if c >= 0), default=0.0)
+        return sum(least >= b for b in cls.BANDS)
+
+    @property
+    def rest(self) -> int:
+        """Rounds until EAGLE-3 is asked again in the context that asks soonest."""
+        return min(self.wait)
 
     def new_call(self) -> None:
         """A new generate call keeps what earlier calls learned about whether consulting pays, but waits at most
         one backoff period before asking again."""
-        self.wait = 0 if self.net > 0 else min(self.wait, self.backoff - 1)
+        self.wait = [0 if net > 0 else min(w, b - 1) for net, w, b in zip(self.net, self.wait, self.backoff,
+                                                                             strict=True)]
 
-    def consult_eagle(self) -> bool:
-        if self.fixed or self.wait <= 0:
+    def consult_eagle(self, ctx: int = 0) -> bool:
+        if self.fixed or self.wait[ctx] <= 0:
             return True
-        self.wait -= 1
+        self.wait[ctx] -= 1
         return False
 
-    def consulted(self, net: float) -> None:
+    def consulted(self, net: float, ctx: int = 0) -> None:
         """After a consult: `net` = tokens the round gained from EAGLE-3's drafts minus what its time would have
         earned. While that pays on average, ask every round; otherwise back off exponentially."""
-        self.net = 0.5 * self.net + 0.5 * net
-        self.backoff = 1 if self.net > 0 else min(2 * self.backoff, self.MAX_BACKOFF)
-        self.wait = self.backoff - 1
+        self.net[ctx] = 0.5 * self.net[ctx] + 0.5 * net
+        self.backoff[ctx] = 1 if self.net[ctx] > 0 else min(2 * self.backoff[ctx], self.MAX_BACKOFF)
+        self.wait[ctx] = self.backoff[ctx] - 1
 
     def ngram_prefix(self, props: list[list[int]], match: list[int], overlap: list[float],
                      scale: list[float]) -> list[list[float]]:

@@ -156,3 +156,27 @@ def test_calls_where_drafting_does_not_pay_run_as_the_targets_own_generate(tmp_p
     for _ in range(2):
         weighed.observe(key, "spec", 100.0, tokens=96)
     assert weighed.best(key) == "spec"
+
+
+def test_asking_eagle_is_learnt_per_band_of_what_ngram_offers() -> None:
+    """Consults that lose next to a likely n-gram copy back EAGLE-3 off there only: where n-gram has nothing,
+    it is still asked every round. The band is the least any live row expects from its n-gram proposal."""
+    from decoder._sched import Scheduler
+
+    assert Scheduler.context([[0.0], [0.0, 0.9, 1.7]], [3, 3]) == 0  # one row has nothing to copy
+    assert Scheduler.context([[0.0], [0.0, 0.9, 1.7]], [-1, 3]) == 2  # ... but it has finished
+    assert Scheduler.context([[0.0, 0.6, 0.9]], [3]) == 1
+    sc = Scheduler(4)
+    strong, none = 2, 0
+    consults = rounds = 0
+    while consults < 3:
+        rounds += 1
+        if sc.consult_eagle(strong):
+            sc.consulted(-1.0, strong)  # asking cost more than it gained
+            consults += 1
+    assert rounds == 1 + 2 + 4 and sc.backoff[strong] == 8 and not sc.consult_eagle(strong)
+    assert all(sc.consult_eagle(none) for _ in range(5))
+    sc.consulted(+0.5, none)
+    assert sc.rest == 0 and sc.consult_eagle(none)
+    sc.new_call()  # a new call asks again at most one backoff period later, in every band
+    assert sc.wait[strong] <= sc.backoff[strong] - 1 and sc.wait[none] == 0
