@@ -104,8 +104,11 @@ def tap(module: nn.Module, fn: Callable, *, pre: bool) -> object:
 
 def tapped(model: nn.Module) -> int:
     """Hooks and taps on the model's modules (0: nothing of probebus, or anyone else, is attached)."""
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(getattr(m.__dict__.get(_TAPS), "pre", ()))
-               + len(getattr(m.__dict__.get(_TAPS), "post", ())) for m in model.modules())
+    n = 0
+    for m in model.modules():
+        taps = m.__dict__.get(_TAPS)
+        n += len(m._forward_hooks) + len(m._forward_pre_hooks) + (len(taps.pre) + len(taps.post) if taps else 0)
+    return n
 
 
 class Hooks:
