@@ -25,6 +25,7 @@ from torch import nn
 from ._cost import CostModel
 from ._eagle import Eagle3Drafter
 from ._feeder import Drafts, Feeder
+from ._handover import hand_over, losing
 from ._medusa import MedusaFeeder
 from ._ngram import NgramDrafter
 from ._sched import DraftPlan, RowFix, Scheduler
@@ -175,7 +176,12 @@ class SpeculativeDecoder:
         self._prefill(run)
         if self.tree and run.b > 1:
             log.warning("tree drafts are verified at batch 1 only; this batch of %d verifies chains", run.b)
+        t_decode, spec_part = time.perf_counter(), None
         while run.any_active():
+            if auto and losing(self, run, t_decode):  # the rest as plain steps, on this call's cache
+                spec_part = (run.stats.emitted, time.perf_counter() - t0)
+                hand_over(self, run)
+                break
             if self.tree and run.b == 1:
                 tree_round(self, run)
                 continue
@@ -189,32 +195,21 @@ class SpeculativeDecoder:
         run.stats.seconds = time.perf_counter() - t0
         if run.streamer is not None:
             run.streamer.end()
-        if auto:
-            self.cost.paths.observe(key, "spec", run.stats.tokens_per_s, run.stats.emitted)
+        if auto:  # what drafting achieved: a handed-over call counts its speculative part
+            tokens, seconds = spec_part or (run.stats.emitted, run.stats.seconds)
+            self.cost.paths.observe(key, "spec", tokens / max(seconds, 1e-9), tokens)
         return SpecOutput(run.sequences(pad_token_id), run.stats)
 
     def _plain(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
                temperature: float, top_k: int | None, top_p: float | None, eos: int | list[int] | None,
                pad: int | None, streamer: object) -> SpecOutput:
         """The call as the target's own `generate`, probes off: the same output (greedy) or distribution."""
-        from transformers import GenerationConfig
-
         _check_call(input_ids, max_new_tokens, streamer)
         if self.session is not None:
             self._capture(False)  # no hooks on the target's own loop; the next speculative call puts them back
         t0 = time.perf_counter()
-        sample = temperature > 0
         eos_ids = _eos_list(eos)
-        # Every field set: `generate` fills unset (None) ones from the model's generation config and global
-        # defaults (top_k=50, its EOS), which this loop does not apply. An empty EOS list stops nothing.
-        # min_new_tokens=0 would add a no-op MinLength processor to every step (3 % of a batch-8 call here),
-        # so it is set only where the model's own config would otherwise fill in a minimum.
-        floor = {"min_new_tokens": 0} if getattr(self.target.generation_config, "min_new_tokens", None) else \
-            {"min_length": 0}
-        config = GenerationConfig(max_new_tokens=max_new_tokens, **floor, do_sample=sample, num_beams=1,
-                                  temperature=temperature if sample else 1.0, top_k=top_k or 0, top_p=top_p or 1.0,
-                                  repetition_penalty=1.0, eos_token_id=eos_ids,
-                                  pad_token_id=pad if pad is not None else 0)
+        config = self._gen_config(max_new_tokens, temperature, top_k, top_p, eos_ids, pad)
         device = next(self.target.parameters()).device
         mask = attention_mask.to(device) if attention_mask is not None else torch.ones_like(input_ids, device=device)
         seq = self.target.generate(input_ids.to(device), attention_mask=mask, generation_config=config,
@@ -228,6 +223,24 @@ class SpeculativeDecoder:
                           plain_rounds=new, delegated=True)
         stats.seconds = stats.verify_s = time.perf_counter() - t0
         return SpecOutput(seq, stats)
+
+    def _gen_config(self, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+                    eos_ids: list[int], pad: int | None):  # noqa: ANN202 - a transformers GenerationConfig
+        """The target's own `generate` configured as this loop decodes (greedy, or sampling as given)."""
+        from transformers import GenerationConfig
+
+        sample = temperature > 0
+        # Every field set: `generate` fills unset (None) ones from the model's generation config and global
+        # defaults (top_k=50, its EOS), which this loop does not apply. An empty EOS list stops nothing.
+        # min_new_tokens=0 would add a no-op MinLength processor to every step (3 % of a batch-8 call here),
+        # so it is set only where the model's own config would otherwise fill in a minimum.
+        floor = {"min_new_tokens": 0} if getattr(self.target.generation_config, "min_new_tokens", None) else \
+            {"min_length": 0}
+        # Sampling fields only when sampling: set on a greedy config, transformers warns that they do nothing.
+        warpers = {"temperature": temperature, "top_k": top_k or 0, "top_p": top_p or 1.0} if sample else {}
+        return GenerationConfig(max_new_tokens=max_new_tokens, **floor, do_sample=sample, num_beams=1, **warpers,
+                                repetition_penalty=1.0, eos_token_id=eos_ids,
+                                pad_token_id=pad if pad is not None else 0)
 
     # --- pieces ---------------------------------------------------------------------------
     def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,

@@ -34,6 +34,7 @@ class SpecStats:
     tree_rounds: int = 0  # rounds that verified a draft tree (batch 1 with tree=N)
     by_drafter: dict[str, int] = field(default_factory=dict)  # rounds each model drafter was consulted
     delegated: bool = False  # the call ran as the target's own `generate` (drafting measured not to pay)
+    handed_over: int = 0  # tokens the target's own `generate` decoded after the call measured itself losing
     seconds: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
