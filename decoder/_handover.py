@@ -66,10 +66,9 @@ def hand_over(spec: SpeculativeDecoder, run: Run) -> None:
         spec._capture(False)  # no hooks on the target's own loop
     n = run.last[0] + 1  # the sequence so far: the cache holds all but its last token
     left = run.max_new - run.emitted[0]
-    config = spec._gen_config(left, run.temperature, run.top_k, run.top_p, sorted(run.eos), None)
+    kw = spec._gen_kwargs(left, run.temperature, run.top_k, run.top_p, sorted(run.eos), None)
     seq = run.toks[:, :n].to(run.device)
-    out = spec.target.generate(seq, attention_mask=torch.ones_like(seq), cache=run.cache,
-                               generation_config=config,
+    out = spec.target.generate(seq, attention_mask=torch.ones_like(seq), cache=run.cache, **kw,
                                streamer=_AfterPrompt(run.streamer) if run.streamer is not None else None)
     new = out[0, n:].tolist()
     stop = next((i for i, t in enumerate(new) if t in run.eos), None)
