@@ -92,10 +92,15 @@ class PathChoice:
         obs = self.spt.get(key)
         if not obs or not obs["spec"] or not obs["plain"]:
             return None
-        mean = {p: sum(s for s, _ in v) / max(sum(n for _, n in v), 1) for p, v in obs.items()}
+        mean = {p: self.seconds_per_token(key, p) for p in obs}
         if len(obs["spec"]) < self.MIN_SPEC:  # too few prompts to call a small loss
             return "spec" if mean["spec"] <= self.CLEAR * mean["plain"] else "plain"
         return "spec" if mean["spec"] <= mean["plain"] else "plain"
+
+    def seconds_per_token(self, key: tuple, path: str) -> float | None:
+        """The path's seconds over tokens in its window, or None before it was measured."""
+        obs = self.spt.get(key, {}).get(path)
+        return sum(s for s, _ in obs) / max(sum(n for _, n in obs), 1) if obs else None
 
     def _window(self, key: tuple) -> dict[str, deque[tuple[float, int]]]:
         return self.spt.setdefault(key, {"spec": deque(maxlen=self.WINDOW), "plain": deque(maxlen=self.WINDOW)})

@@ -183,14 +183,16 @@ def test_asking_eagle_is_learnt_per_band_of_what_ngram_offers() -> None:
 
 
 def test_a_call_that_measures_itself_losing_hands_the_rest_to_generate(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    """Forced (no time margin): greedy output, EOS, streaming and top-k sampling stay those of `generate`,
-    continued on the loop's own cache; batch > 1 and left-padded rows never hand over."""
+    """Forced (no time margin): a sampled call continues in `generate` on the loop's own cache. Sampling with
+    top_k=1 is the argmax, so output, EOS and streaming must equal greedy `generate` exactly: the
+    continuation conditions on exactly the tokens so far. Greedy calls, batch > 1 and left-padded rows
+    stay in the loop."""
     from decoder import _handover
 
     monkeypatch.setenv("PROBEBUS_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_handover, "HAND_OVER_AFTER", 5)
     monkeypatch.setattr(_handover, "MIN_LEFT", 2)
-    monkeypatch.setattr(_handover, "HAND_OVER_LOSS", 0.0)  # every call loses once judged
+    monkeypatch.setattr(_handover, "HAND_OVER_LOSS", 0.0)  # every sampled call loses once judged
     model = build("llama", layers=2)
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
     with torch.no_grad():
@@ -208,29 +210,36 @@ def test_a_call_that_measures_itself_losing_hands_the_rest_to_generate(tmp_path:
         def end(self) -> None:
             self.ends += 1
 
+    argmax = {"temperature": 0.7, "top_k": 1, "pad_token_id": PAD}
     spec = SpeculativeDecoder(model, NgramDrafter(), k=3)
     streamer = Collect()
-    out = spec.generate(ids, max_new_tokens=30, pad_token_id=PAD, streamer=streamer)
+    out = spec.generate(ids, max_new_tokens=30, streamer=streamer, **argmax)
     st = out.stats
     assert torch.equal(out.sequences, want) and not st.delegated
     assert 0 < st.handed_over <= 30 - 6 and st.emitted == 30
     assert streamer.puts[0] == ids[0].tolist() and streamer.ends == 1
     assert sum(streamer.puts[1:], []) == want[0, ids.shape[1]:].tolist()  # nothing twice, nothing missing
-    # sampling with top_k=1 is the argmax: the continuation conditions on exactly the tokens so far
-    sampled = spec.generate(ids, max_new_tokens=30, temperature=0.7, top_k=1, pad_token_id=PAD)
-    assert sampled.stats.handed_over > 0 and torch.equal(sampled.sequences, want)
     # an EOS inside the handed-over part stops the row there, like `generate`
-    eos = int(want[0, ids.shape[1] + 20])
+    new = want[0, ids.shape[1]:].tolist()
+    eos = next(t for i, t in enumerate(new) if i >= 8 and t not in new[:i])  # first seen after the hand-over
+    spec.cost.paths = PathChoice()  # each call as a first one: the speculative path runs
     with torch.no_grad():
         want_eos = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30,
                                   do_sample=False, pad_token_id=PAD, eos_token_id=eos)
-    got = spec.generate(ids, max_new_tokens=30, pad_token_id=PAD, eos_token_id=eos)
+    got = spec.generate(ids, max_new_tokens=30, eos_token_id=eos, **argmax)
     n = got.stats.emitted
+    assert got.stats.handed_over > 0 and got.sequences[0, ids.shape[1] + n - 1] == eos
     assert torch.equal(got.sequences[0, : ids.shape[1] + n], want_eos[0, : ids.shape[1] + n])
-    assert got.sequences[0, ids.shape[1] + n - 1] == eos
-    # rows of different lengths (holes, padding) stay in the loop
+    # greedy calls (their pace picks up later), rows of different lengths and padding stay in the loop
+    spec.cost.paths = PathChoice()
+    greedy = spec.generate(ids, max_new_tokens=30, pad_token_id=PAD)
+    assert not greedy.stats.delegated and greedy.stats.handed_over == 0 and torch.equal(greedy.sequences, want)
     two, mask = left_padded([[5, 6, 7, 8, 5, 6], [9, 10, 9, 10]])
-    assert spec.generate(two, mask, max_new_tokens=20, pad_token_id=PAD).stats.handed_over == 0
+    spec.cost.paths = PathChoice()
+    kept = spec.generate(two, mask, max_new_tokens=20, **argmax).stats
+    assert not kept.delegated and kept.handed_over == 0
     one, mask1 = left_padded([[5, 6, 7, 8], [9, 10]])
-    assert spec.generate(one[1:], mask1[1:], max_new_tokens=20, pad_token_id=PAD).stats.handed_over == 0
+    spec.cost.paths = PathChoice()
+    kept = spec.generate(one[1:], mask1[1:], max_new_tokens=20, **argmax).stats
+    assert not kept.delegated and kept.handed_over == 0
     spec.close()
