@@ -16,10 +16,12 @@ count per round from the measured cost curve.
 
 Sets (benchmarks/prompts/*.jsonl, see benchmarks/_prompt_sets.py): held-out stdlib files,
 unseen third-party Python code, English prose. Each condition runs every method over the
-whole set, repeated with a rotating order (interleaved), and reports the median and the
-range of throughput and of the speedup against plain `generate` of the same repeat.
-Plain `generate` and HF prompt lookup run with no probe attached (each probebus decoder is
-built before and closed after its own timed run). tau = tokens per row per verification
+whole set, call by call in a rotating order (each batch of prompts goes through every method
+before the next batch), repeated, and reports the median and the range over repeats of
+throughput and of the speedup against plain `generate` in the same repeat. Each probebus
+decoder is built once per condition and learns across its calls, as it would serving them.
+Plain `generate` and HF prompt lookup run with no probe attached: every decoder's probes
+come off the model before a baseline call (checked). tau = tokens per row per verification
 round (bonus included, plain rounds count 1); tok/fwd counts target forwards (prefill
 included). "same" counts rows whose greedy output equals plain `generate`.
 
@@ -100,50 +102,69 @@ def make(name: str, model, drafter, cost: CostModel, k: int, remote_addr: str | 
     raise ValueError(name)
 
 
-def run_method(name: str, model, tok, prompts: list[str], batch: int, temp: float, args, drafter, cost,  # noqa: ANN001
-               remote_addr: str | None = None) -> dict:
-    spec = None if name in BASELINES else make(name, model, drafter, cost, args.k, remote_addr)
-    if spec is None and not no_hooks(model):
-        raise RuntimeError("a probe is still attached while timing a baseline")
-    tokens = forwards = 0
-    outs, stats = [], []
-    seconds = 0.0
-    try:
-        for i in range(0, len(prompts), batch):
-            enc = tok(prompts[i: i + batch], return_tensors="pt", padding=True)
-            if spec is None:
-                kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=tok.pad_token_id,
-                          eos_token_id=None, do_sample=temp > 0)
-                if temp > 0:
-                    kw.update(temperature=temp, top_k=None, top_p=None)
-                if name == "HF prompt lookup":
-                    kw["prompt_lookup_num_tokens"] = args.k
-                if name == "HF assisted":
-                    kw["assistant_model"] = assistant(model)
-                counter = ForwardCounter(model)
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    seq = model.generate(**enc, **kw)
-                seconds += time.perf_counter() - t0
-                counter.close()
-                forwards += counter.n
-            else:
-                t0 = time.perf_counter()
-                out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=args.new_tokens,
-                                    temperature=temp, pad_token_id=tok.pad_token_id)
-                seconds += time.perf_counter() - t0
-                forwards += out.stats.target_forwards
-                stats.append(out.stats)
-                seq = out.sequences
-            new = seq[:, enc.input_ids.shape[1]:]
-            tokens += new.numel()
-            outs.extend(new.tolist())
-    finally:
-        if spec is not None:
-            spec.close()
-    row_rounds = sum(s.row_rounds for s in stats)
-    tau = sum(s.tau * s.row_rounds for s in stats) / row_rounds if row_rounds else None
-    return {"seconds": seconds, "tokens": tokens, "forwards": forwards, "tau": tau, "outs": outs, "stats": stats}
+class Runner:
+    """One method across a condition: its decoder, built once so that it learns across calls as it would
+    serving them, and one timed call at a time (the condition interleaves methods call by call)."""
+
+    def __init__(self, name: str, model, tok, temp: float, args, drafter, cost,  # noqa: ANN001
+                 remote_addr: str | None = None) -> None:
+        self.name, self.model, self.tok, self.temp, self.args = name, model, tok, temp, args
+        self.spec = None if name in BASELINES else make(name, model, drafter, cost, args.k, remote_addr)
+        self.new_repeat()
+
+    def new_repeat(self) -> None:
+        self.seconds, self.tokens, self.forwards = 0.0, 0, 0
+        self.outs: list[list[int]] = []
+        self.stats: list = []
+
+    def quiet(self) -> None:
+        """Take this decoder's probes off the model (a baseline is timed next); its next call puts them back."""
+        if self.spec is not None and self.spec.session is not None:
+            self.spec._capture(False)
+
+    def call(self, prompts: list[str], new_tokens: int, others: list[Runner]) -> None:
+        enc = self.tok(prompts, return_tensors="pt", padding=True)
+        if self.spec is None:
+            for other in others:
+                other.quiet()
+            if not no_hooks(self.model):
+                raise RuntimeError("a probe is still attached while timing a baseline")
+            kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=self.tok.pad_token_id,
+                      eos_token_id=None, do_sample=self.temp > 0)
+            if self.temp > 0:
+                kw.update(temperature=self.temp, top_k=None, top_p=None)
+            if self.name == "HF prompt lookup":
+                kw["prompt_lookup_num_tokens"] = self.args.k
+            if self.name == "HF assisted":
+                kw["assistant_model"] = assistant(self.model)
+            counter = ForwardCounter(self.model)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                seq = self.model.generate(**enc, **kw)
+            self.seconds += time.perf_counter() - t0
+            counter.close()
+            self.forwards += counter.n
+        else:
+            t0 = time.perf_counter()
+            out = self.spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=new_tokens,
+                                     temperature=self.temp, pad_token_id=self.tok.pad_token_id)
+            self.seconds += time.perf_counter() - t0
+            self.forwards += out.stats.target_forwards
+            self.stats.append(out.stats)
+            seq = out.sequences
+        new = seq[:, enc.input_ids.shape[1]:]
+        self.tokens += new.numel()
+        self.outs.extend(new.tolist())
+
+    def result(self) -> dict:
+        row_rounds = sum(s.row_rounds for s in self.stats)
+        tau = sum(s.tau * s.row_rounds for s in self.stats) / row_rounds if row_rounds else None
+        return {"seconds": self.seconds, "tokens": self.tokens, "forwards": self.forwards, "tau": tau,
+                "outs": self.outs, "stats": self.stats}
+
+    def close(self) -> None:
+        if self.spec is not None:
+            self.spec.close()
 
 
 def assistant(model: torch.nn.Module) -> torch.nn.Module:
@@ -187,15 +208,30 @@ def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float
         methods.insert(-1, "EAGLE-3 remote")
     b = min(batch, len(prompts))
     cost.ensure(b, args.k, drafter)
-    learned = cost.paths  # warm-up (first-call costs, the cost curve's measurement): not timed, and auto's
-    cost.paths = PathChoice()  # hand-over learns nothing from its short calls
-    for m in methods:
-        run_method(m, model, tok, prompts[:b], b, temp, _short(args), drafter, cost, remote_addr)
-    cost.paths = learned
+    runners = {m: Runner(m, model, tok, temp, args, drafter, cost, remote_addr) for m in methods}
+    every = list(runners.values())
     runs: dict[str, list[dict]] = {m: [] for m in methods}
-    for rep in range(args.repeats):
-        for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:
-            runs[m].append(run_method(m, model, tok, prompts, batch, temp, args, drafter, cost, remote_addr))
+    try:
+        learned = cost.paths  # warm-up (first-call costs, the cost curve's measurement): not timed, and auto's
+        cost.paths = PathChoice()  # hand-over learns nothing from its short calls
+        for m in methods:
+            runners[m].call(prompts[:b], min(args.new_tokens, 8), every)
+        cost.paths = learned
+        # Call by call, in a rotating order: blocks of whole sets drifted apart on this VM (plain ran 114-136
+        # tok/s between blocks of one evening), which no ratio of block totals can take out.
+        chunks = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
+        for rep in range(args.repeats):
+            for r in every:
+                r.new_repeat()
+            for j, chunk in enumerate(chunks):
+                s = (rep + j) % len(methods)
+                for m in methods[s:] + methods[:s]:
+                    runners[m].call(chunk, args.new_tokens, every)
+            for m in methods:
+                runs[m].append(runners[m].result())
+    finally:
+        for r in every:
+            r.close()
     ref = runs["plain"][0]["outs"]
     print(f"\n{name}, batch {batch}, T={temp:g}: {len(prompts)} prompts x {args.new_tokens} tokens, "
           f"{args.repeats} interleaved repeats, median [range]")
@@ -225,10 +261,6 @@ def per_round(stats: list) -> str:
     if not rounds:
         return "-"
     return f"{sum(s.draft_s for s in stats) / rounds * 1e3:.2f} / {sum(s.verify_s for s in stats) / rounds * 1e3:.2f}"
-
-
-def _short(args: argparse.Namespace) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "new_tokens": min(args.new_tokens, 8)})
 
 
 def main(args: argparse.Namespace) -> int:
