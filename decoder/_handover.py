@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ._state import through_eos
+
 if TYPE_CHECKING:
     from ._loop import SpeculativeDecoder
     from ._state import Run
@@ -77,11 +79,10 @@ def hand_over(spec: SpeculativeDecoder, run: Run) -> None:
     out = spec.target.generate(seq, attention_mask=torch.ones_like(seq), cache=run.cache, **kw,
                                streamer=_AfterPrompt(run.streamer) if run.streamer is not None else None)
     new = out[0, n:].tolist()
-    stop = next((i for i, t in enumerate(new) if t in run.eos), None)
-    keep = new if stop is None else new[: stop + 1]
+    keep = through_eos(new, run.eos)
     run.toks[0, n: n + len(keep)] = torch.tensor(keep, dtype=torch.long)
     run.emitted[0] += len(keep)
-    run.done[0] = run.done[0] or stop is not None
+    run.done[0] = run.done[0] or (bool(keep) and keep[-1] in run.eos)
     st.handed_over = len(keep)
     st.emitted += len(keep)
     st.row_rounds += len(keep)

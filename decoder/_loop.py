@@ -30,7 +30,7 @@ from ._medusa import MedusaFeeder
 from ._ngram import NgramDrafter
 from ._sched import DraftPlan, RowFix, Scheduler
 from ._slots import open_slots
-from ._state import Run, SpecOutput, SpecStats
+from ._state import Run, SpecOutput, SpecStats, through_eos
 from ._tree_round import supports_tree, tree_round
 from ._verify import target_probs, verify_greedy_rows, verify_rows
 
@@ -217,10 +217,7 @@ class SpeculativeDecoder:
         mask = attention_mask.to(device) if attention_mask is not None else torch.ones_like(input_ids, device=device)
         seq = self.target.generate(input_ids.to(device), attention_mask=mask, streamer=streamer, **kw).cpu()
         b, new = input_ids.shape[0], seq.shape[1] - input_ids.shape[1]
-        emitted = 0
-        for row in seq[:, input_ids.shape[1]:].tolist():  # a row's tokens up to its first EOS
-            stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
-            emitted += len(row) if stop is None else stop + 1
+        emitted = sum(len(through_eos(row, eos_ids)) for row in seq[:, input_ids.shape[1]:].tolist())
         stats = SpecStats(batch=b, rounds=new, target_forwards=new, emitted=emitted, row_rounds=emitted,
                           plain_rounds=new, delegated=True)
         stats.seconds = stats.verify_s = time.perf_counter() - t0

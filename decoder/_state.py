@@ -81,6 +81,12 @@ class SpecOutput:
     stats: SpecStats
 
 
+def through_eos(tokens: list[int], eos: set[int] | list[int]) -> list[int]:
+    """A row's tokens up to and including its first EOS (all of them without one)."""
+    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+    return tokens if stop is None else tokens[: stop + 1]
+
+
 class Run:
     """Per-call state. Per-row scalars live in Python lists (a round touches each a few times)."""
 
