@@ -176,15 +176,30 @@ class SpeculativeDecoder:
             return out
         run = self._start(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
                           streamer)
-        self._prefill(run)
+        try:
+            self._prefill(run)
+            spec_part = self._rounds(run, auto, t0)
+        finally:
+            self._capture(False)  # probes publish during this decoder's calls only (see `_capture`)
+        run.stats.seconds = time.perf_counter() - t0
+        if run.streamer is not None:
+            run.streamer.end()
+        if auto:  # what drafting achieved: a handed-over call counts its speculative part
+            tokens, seconds = spec_part or (run.stats.emitted, run.stats.seconds)
+            self.cost.paths.observe(key, "spec", tokens / max(seconds, 1e-9), tokens)
+        return SpecOutput(run.sequences(pad_token_id), run.stats)
+
+    def _rounds(self, run: Run, auto: bool, t0: float) -> tuple[int, float] | None:
+        """Draft, verify and commit until every row is done; (tokens, seconds) of the speculative part if the
+        call handed the rest over to `generate`."""
         if self.tree and run.b > 1:
             log.warning("tree drafts are verified at batch 1 only; this batch of %d verifies chains", run.b)
-        t_decode, spec_part = time.perf_counter(), None
+        t_decode = time.perf_counter()
         while run.any_active():
             if auto and losing(self, run, t_decode):  # the rest as plain steps, on this call's cache
                 spec_part = (run.stats.emitted, time.perf_counter() - t0)
                 hand_over(self, run)
-                break
+                return spec_part
             if self.tree and run.b == 1:
                 tree_round(self, run)
                 continue
@@ -195,13 +210,7 @@ class SpeculativeDecoder:
             n_acc, nxt = self._accept(run, drafts, logits)
             kept = self._commit(run, drafts, n_acc, nxt)
             self._account(run, drafts, n_acc, kept, tr, tv)
-        run.stats.seconds = time.perf_counter() - t0
-        if run.streamer is not None:
-            run.streamer.end()
-        if auto:  # what drafting achieved: a handed-over call counts its speculative part
-            tokens, seconds = spec_part or (run.stats.emitted, run.stats.seconds)
-            self.cost.paths.observe(key, "spec", tokens / max(seconds, 1e-9), tokens)
-        return SpecOutput(run.sequences(pad_token_id), run.stats)
+        return None
 
     def _plain(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
                temperature: float, top_k: int | None, top_p: float | None, eos: int | list[int] | None,
@@ -572,8 +581,12 @@ class SpeculativeDecoder:
 
     def _capture(self, on: bool) -> None:
         """Probes on the model or off it. Off costs nothing per forward (even a hook that publishes nothing
-        costs a visible share of a small model's step); toggling costs a few ms, so it happens only when
-        EAGLE-3 rests for several rounds. Without session.add/remove, forwards publish nothing instead."""
+        costs a visible share of a small model's step); toggling costs ~0.7 ms on the default model, so
+        within a call it happens only when EAGLE-3 rests for several rounds. Every call ends with the probes
+        off: left on, any other forward of the model (the user's own `generate`, another decoder) published
+        into a session nobody reads between this decoder's calls, and after six plain 96-token calls the
+        `complete` policy's back-pressure froze the model for its 60 s stall timeout. Without
+        session.add/remove, forwards publish nothing instead."""
         if on == self._capturing:
             return
         sites = self._sites

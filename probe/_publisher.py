@@ -70,6 +70,14 @@ def _finish_lingering() -> None:
         pub._thread.join(max(0.0, pub._deadline - time.monotonic()) if pub.complete else 2.0)
 
 
+def parent_cpus() -> set[int] | None:
+    """The cores our parent process may use (a vLLM worker's engine, a launcher), or None if unknown."""
+    try:
+        return os.sched_getaffinity(os.getppid())
+    except OSError:
+        return None
+
+
 def _usable(cpus: set[int] | None) -> set[int] | None:
     """The cores of `cpus` this process's threads may run on (ours, or our parent's), or None.
 
@@ -77,11 +85,7 @@ def _usable(cpus: set[int] | None) -> set[int] | None:
     (`pthread_setaffinity_np` fails and it asserts), so a bad `io_cpus` is dropped here, with a warning."""
     if not cpus:
         return None
-    usable = os.sched_getaffinity(0)
-    try:
-        usable = usable | os.sched_getaffinity(os.getppid())
-    except OSError:
-        pass
+    usable = os.sched_getaffinity(0) | (parent_cpus() or set())
     if not set(cpus) & usable:
         warnings.warn(f"probebus: io_cpus {sorted(cpus)} are not cores this process may use ({sorted(usable)}); "
                       "the bus's threads stay on the process's own cores", stacklevel=3)

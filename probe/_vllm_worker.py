@@ -53,7 +53,7 @@ from ._arch import LAYER_SITES, ArchitectureError, SiteError
 from ._copy import CopyPath, SiteKey
 from ._hooks import tap
 from ._identity import DECODE, PREFILL, StepIdentity
-from ._publisher import ZERO_COPY_MIN, Publisher
+from ._publisher import ZERO_COPY_MIN, Publisher, parent_cpus
 from ._sites import site_layer
 from ._wire import VERSION
 
@@ -340,12 +340,8 @@ def spare_cpus() -> set[int] | None:
     vLLM's CPU worker binds itself, and every thread it starts later, to its OpenMP cores
     (VLLM_CPU_OMP_THREADS_BIND), so without this ZeroMQ's I/O thread would run on the
     model's core. The cores the engine process (our parent) may use are the ones vLLM left."""
-    mine = os.sched_getaffinity(0)
-    try:
-        allowed = os.sched_getaffinity(os.getppid())
-    except OSError:
-        allowed = set(range(os.cpu_count() or 1))
-    return (allowed - mine) or None
+    allowed = parent_cpus() or set(range(os.cpu_count() or 1))
+    return (allowed - os.sched_getaffinity(0)) or None
 
 
 def _num_tokens(args: tuple, kwargs: dict, n: int) -> int:

@@ -154,3 +154,26 @@ def test_streamer_receives_prompt_then_each_accepted_token() -> None:
     assert streamer.puts[0] == ids[0].tolist() and streamer.ended
     assert sum(streamer.puts[1:], []) == out.sequences[0, ids.shape[1]:].tolist()
     assert any(len(p) > 1 for p in streamer.puts[1:])  # accepted drafts arrive together, as they are accepted
+
+
+def test_probes_publish_during_the_decoders_own_calls_only() -> None:
+    """Between calls the drafter's probes are off the model: a plain `generate` of the user's (or another
+    decoder's call) publishes nothing into a session that nobody reads until the next call. Left on, six
+    96-token calls of the default model filled it and `complete` back-pressure froze the model for 60 s."""
+    model = build("llama", layers=8)
+    ids, mask = left_padded(PROMPTS[:1])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              pad_token_id=PAD, eos_token_id=None)
+    with SpeculativeDecoder(model, _drafters(model)["eagle"], k=3, schedule="fixed") as spec:
+        first = spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD)
+        during = spec.session.stats.captured
+        assert during > 0 and first.stats.bus_s > 0  # the call itself did capture and read features
+        for _ in range(3):
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                               pad_token_id=PAD, eos_token_id=None)
+        assert spec.session.stats.captured == during
+        again = spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD)
+        assert spec.session.stats.captured > during
+    assert torch.equal(first.sequences, want) and torch.equal(again.sequences, want)

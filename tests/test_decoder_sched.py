@@ -149,6 +149,11 @@ def test_calls_where_drafting_does_not_pay_run_as_the_targets_own_generate(tmp_p
     while len(small.spt[key]["spec"]) < PathChoice.MIN_SPEC:
         small.observe(key, small.pick(key), 95.0)
     assert small.pick(key) == "plain"
+    # ...counted in prompts: one call at batch 8 is 8 of them, so its small loss already decides.
+    batch8, key8 = PathChoice(), (8, "greedy", "x")
+    batch8.observe(key8, batch8.pick(key8), 95.0)
+    batch8.observe(key8, batch8.pick(key8), 100.0)
+    assert batch8.pick(key8) == "plain"
     # A short call's rate is mostly its prefill and first-call costs: the window weighs calls by their tokens.
     weighed = PathChoice()
     weighed.observe(key, "spec", 20.0, tokens=8)
@@ -185,8 +190,8 @@ def test_asking_eagle_is_learnt_per_band_of_what_ngram_offers() -> None:
 def test_a_call_that_measures_itself_losing_hands_the_rest_to_generate(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """Forced (no time margin): a sampled call continues in `generate` on the loop's own cache. Sampling with
     top_k=1 is the argmax, so output, EOS and streaming must equal greedy `generate` exactly: the
-    continuation conditions on exactly the tokens so far. Greedy calls, batch > 1 and left-padded rows
-    stay in the loop."""
+    continuation conditions on exactly the tokens so far, at any batch size (holes, padding and finished
+    rows included). Greedy calls stay in the loop."""
     from decoder import _handover
 
     monkeypatch.setenv("PROBEBUS_CACHE_DIR", str(tmp_path))
@@ -230,16 +235,52 @@ def test_a_call_that_measures_itself_losing_hands_the_rest_to_generate(tmp_path:
     n = got.stats.emitted
     assert got.stats.handed_over > 0 and got.sequences[0, ids.shape[1] + n - 1] == eos
     assert torch.equal(got.sequences[0, : ids.shape[1] + n], want_eos[0, : ids.shape[1] + n])
-    # greedy calls (their pace picks up later), rows of different lengths and padding stay in the loop
+    # greedy calls stay in the loop (their pace picks up later)
     spec.cost.paths = PathChoice()
     greedy = spec.generate(ids, max_new_tokens=30, pad_token_id=PAD)
     assert not greedy.stats.delegated and greedy.stats.handed_over == 0 and torch.equal(greedy.sequences, want)
-    two, mask = left_padded([[5, 6, 7, 8, 5, 6], [9, 10, 9, 10]])
+    # batch > 1: rows at different lengths, masked holes in the cache and left padding go to `generate` as one
+    # left-padded batch, and every row must come out as plain `generate` makes it; greedy stays in the loop
+    from decoder import _loop
+    holes: list[int] = []
+    real = _loop.hand_over
+
+    def watched(s: SpeculativeDecoder, run) -> None:  # noqa: ANN001
+        pad = [run.input_ids.shape[1] - n for n in run.lens]
+        holes.append(max(run.cols - last - p for last, p in zip(run.last, pad, strict=True)))
+        real(s, run)
+
+    monkeypatch.setattr(_loop, "hand_over", watched)
+    monkeypatch.setattr(_handover, "HAND_OVER_AFTER", 12)  # rows have drafted long enough to differ by then
+    flat = {"verify": [1e-3] * 8, "step": 1e-5}  # drafting always looks worth it: rounds draft, rows diverge
+    spec.close()
+    spec = SpeculativeDecoder(model, NgramDrafter(), k=3, cost=CostModel("flat", {"1": flat, "2": flat}, adapt=False))
+    two, mask = left_padded([[5, 6, 7, 8, 5, 6, 7, 8, 5], [9, 10, 11, 12, 9, 10]])
+    with torch.no_grad():
+        want2 = model.generate(input_ids=two, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                               pad_token_id=PAD, eos_token_id=None)
+    for kw in ({"pad_token_id": PAD}, argmax):
+        spec.cost.paths = PathChoice()
+        got = spec.generate(two, mask, max_new_tokens=30, **kw)
+        assert (got.stats.handed_over > 0) == (kw is argmax) and torch.equal(got.sequences, want2)
+    assert max(holes) > 0  # some row had drafts rejected where another kept more: a real hole was continued
+    # EOS in one row: that row stops there, padded after, like `generate`; a row that is done leaves the batch
+    row1 = want2[1, two.shape[1]:].tolist()
+    for late in (True, False):  # EOS after the hand-over, or before it (row 1 finished: row 0 goes on alone)
+        eos = next(t for i, t in enumerate(row1) if (i >= 16 if late else 2 <= i < 8) and t not in row1[:i]
+                   and t not in want2[0].tolist())
+        with torch.no_grad():
+            want_eos2 = model.generate(input_ids=two, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                                       pad_token_id=PAD, eos_token_id=eos)
+        spec.cost.paths = PathChoice()
+        got = spec.generate(two, mask, max_new_tokens=30, eos_token_id=eos, **argmax)
+        assert got.stats.handed_over > 0 and torch.equal(got.sequences, want_eos2)
+    # one left-padded row, sampled
+    one, mask1 = left_padded([[5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 9, 10]])
+    with torch.no_grad():
+        want1 = model.generate(input_ids=one[:1], attention_mask=mask1[:1], max_new_tokens=30, do_sample=False,
+                               pad_token_id=PAD, eos_token_id=None)
     spec.cost.paths = PathChoice()
-    kept = spec.generate(two, mask, max_new_tokens=20, **argmax).stats
-    assert not kept.delegated and kept.handed_over == 0
-    one, mask1 = left_padded([[5, 6, 7, 8], [9, 10]])
-    spec.cost.paths = PathChoice()
-    kept = spec.generate(one[1:], mask1[1:], max_new_tokens=20, **argmax).stats
-    assert not kept.delegated and kept.handed_over == 0
+    got = spec.generate(one[:1], mask1[:1], max_new_tokens=30, **argmax)
+    assert got.stats.handed_over > 0 and torch.equal(got.sequences, want1)
     spec.close()
