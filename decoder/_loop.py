@@ -112,7 +112,6 @@ class SpeculativeDecoder:
         if len(drafters) > 1 and schedule == "fixed":
             raise ValueError("schedule='fixed' drafts with one method; 'auto' chooses among several drafters")
         self.session, self.slots = open_slots(target, drafters, endpoint)
-        self._sites = list(dict.fromkeys(x for slot in self.slots for x in slot.sites))
         self._tried: set[int] = set()
         self.feeder: Feeder | None = None
         self._d2t = None
@@ -581,18 +580,17 @@ class SpeculativeDecoder:
 
     def _capture(self, on: bool) -> None:
         """Probes on the model or off it. Off costs nothing per forward (even a hook that publishes nothing
-        costs a visible share of a small model's step); toggling costs ~0.7 ms on the default model, so
-        within a call it happens only when EAGLE-3 rests for several rounds. Every call ends with the probes
-        off: left on, any other forward of the model (the user's own `generate`, another decoder) published
-        into a session nobody reads between this decoder's calls, and after six plain 96-token calls the
-        `complete` policy's back-pressure froze the model for its 60 s stall timeout. Without
-        session.add/remove, forwards publish nothing instead."""
+        costs a visible share of a small model's step). A toggle is the session's pause/resume (~40 us: the
+        site list it announces stays), and within a call it happens only when EAGLE-3 rests for several
+        rounds. Every call ends with the probes off: left on, any other forward of the model (the user's own
+        `generate`, another decoder) published into a session nobody reads between this decoder's calls, and
+        after six plain 96-token calls the `complete` policy's back-pressure froze the model for its 60 s
+        stall timeout. Without session.pause/resume, forwards publish nothing instead."""
         if on == self._capturing:
             return
-        sites = self._sites
-        if hasattr(self.session, "remove"):
+        if hasattr(self.session, "pause"):
             t0 = time.perf_counter()
-            (self.session.add if on else self.session.remove)(sites)
+            self.session.resume() if on else self.session.pause()
             self._toggle_s += 0.2 * (time.perf_counter() - t0 - self._toggle_s)
         self._capturing = on
 

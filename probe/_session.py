@@ -117,6 +117,7 @@ class ProbeSession:
         stop = _stop_tokens(model) if strip_finished else np.empty(0, dtype=np.int64)
         self._hooks = Hooks(model, self.arch, self._copy, self.publisher, stop)
         self._closed = False
+        self._paused: list[str] | None = None  # the sites a pause took off, until resume()
         self._announced = False
         self._registered = None
         try:
@@ -142,7 +143,34 @@ class ProbeSession:
 
     @property
     def sites(self) -> list[str]:
-        return [s for s in self.arch.sites() if s in self._hooks.active]
+        active = self._hooks.active if self._paused is None else set(self._paused)
+        return [s for s in self.arch.sites() if s in active]
+
+    @property
+    def paused(self) -> bool:
+        return self._paused is not None
+
+    def pause(self) -> None:
+        """Take every tap off the model until `resume()`: its forwards run unprobed and publish nothing.
+
+            session.pause()
+            model.generate(...)   # not captured, at the model's own speed
+            session.resume()
+
+        The site list that subscribers and `probe.live_sessions()` see stays as it is: a pause is not a
+        change of what the session captures, so nothing is announced (~40 us, where add/remove announce
+        the new list and rewrite the discovery file: ~0.5 ms)."""
+        if self._closed:
+            raise RuntimeError("this probe session is closed")
+        if self._paused is None:
+            self._paused = sorted(self._hooks.active)
+            self._hooks.change("remove", self._paused)
+
+    def resume(self) -> None:
+        """Put back the taps `pause()` took off."""
+        if self._paused is not None and not self._closed:
+            names, self._paused = self._paused, None
+            self._hooks.change("add", names)
 
     @property
     def info(self) -> _discovery.SessionInfo:
@@ -164,12 +192,14 @@ class ProbeSession:
 
     def add(self, sites: str | Iterable[str]) -> list[str]:
         """Start capturing more sites; returns the concrete names added."""
+        self.resume()  # a change of sites ends a pause: the new list is what runs and is announced
         names = [s for s in expand_sites(self.arch, sites) if s not in self._hooks.active]
         self._change("add", names)
         return names
 
     def remove(self, sites: str | Iterable[str]) -> list[str]:
         """Stop capturing sites (effective for the next capture; hooks go at the next step)."""
+        self.resume()
         names = [s for s in expand_sites(self.arch, sites) if s in self._hooks.active]
         self._change("remove", names)
         return names

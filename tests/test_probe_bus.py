@@ -166,6 +166,40 @@ def test_add_and_remove_from_another_thread_take_effect_at_a_step_boundary() -> 
     assert len(later) == 4
 
 
+def test_pause_takes_the_taps_off_without_changing_the_announced_sites() -> None:
+    """A paused session publishes nothing and leaves the model unprobed (its modules' own forward back); its
+    site list, what subscribers and live_sessions see, stays, and its forwards are not counted as steps.
+    resume() captures again; add/remove end a pause."""
+    model = build("llama")
+    layer = model.model.layers[0]
+    plain_forward = type(layer).forward
+    ids = torch.tensor([[5, 6, 7]])
+    with probe.attach(model, "layers.0.resid_post") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1)
+        with torch.no_grad():
+            model(ids)
+            session.pause()
+            assert session.paused and session.sites == ["layers.0.resid_post"]
+            assert not tapped(layer) and layer.forward.__func__ is plain_forward
+            assert [s.sites for s in probe.live_sessions() if s.endpoint == session.endpoint] == [session.sites]
+            model(ids)
+            model(ids)
+            session.resume()
+            assert not session.paused and tapped(layer)
+            model(ids)
+            session.pause()
+            session.add("layers.1.mlp_out")  # a change of sites resumes, with the new list
+            assert not session.paused and session.sites == ["layers.0.resid_post", "layers.1.mlp_out"]
+            model(ids)
+        stats = session.stats
+    caps = list(sub.iter(idle_timeout=1.0))
+    # paused forwards are not seen at all: the step count goes on from the last observed one
+    assert sorted((c.step, c.site) for c in caps) == [(1, "layers.0.resid_post"), (2, "layers.0.resid_post"),
+                                                     (3, "layers.0.resid_post"), (3, "layers.1.mlp_out")]
+    assert stats.captured == stats.published == 4
+
+
 def test_taps_keep_a_replaced_forward_and_the_signature_transformers_reads() -> None:
     """Sites are taps on `forward` (not hooks): a forward that something else put on the instance first (as
     accelerate does) is the one called, and is put back on close; one wrapped over ours afterwards survives the
