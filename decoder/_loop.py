@@ -104,7 +104,7 @@ class SpeculativeDecoder:
         self.sched = Scheduler(k, fixed=schedule == "fixed")
         self._cost = cost
         self._capturing = True
-        self._toggle_s = 2e-3  # seconds to add or remove the probes, measured as it happens
+        self._toggle_s = 2e-3  # seconds to pause or resume the probes, measured as it happens (from a high guess)
         self._valid_on = torch.ones(1, 1, dtype=torch.bool)
         self._valid_off = torch.zeros(1, 1, dtype=torch.bool)
         drafters = list(self.eagle) if isinstance(self.eagle, list | tuple) else \

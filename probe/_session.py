@@ -159,7 +159,7 @@ class ProbeSession:
 
         The site list that subscribers and `probe.live_sessions()` see stays as it is: a pause is not a
         change of what the session captures, so nothing is announced (~40 us, where add/remove announce
-        the new list and rewrite the discovery file: ~0.5 ms)."""
+        the new list and rewrite the discovery file: ~0.7 ms)."""
         if self._closed:
             raise RuntimeError("this probe session is closed")
         if self._paused is None:
