@@ -31,6 +31,7 @@ this process until the step ends (under 64 KiB each, one per site).
 from __future__ import annotations
 
 import ctypes
+import struct
 import time
 import warnings
 from collections import deque
@@ -42,7 +43,7 @@ import torch
 from ._identity import StepIdentity
 from ._publisher import ZERO_COPY_MIN, Publisher
 from ._staging import StagingRing
-from ._wire import BUNDLE_MAX, BUNDLE_TOPIC, DTYPE_CODE, LENGTH, encode_envelope, encode_head
+from ._wire import BUNDLE_MAX, BUNDLE_TOPIC, DTYPE_CODE, LENGTH, MAGIC, VERSION, encode_envelope, entry_struct
 
 _DTYPE_INFO = {d: (c, d.itemsize) for d, c in DTYPE_CODE.items()}
 _CHARS: dict[int, type] = {}  # nbytes -> ctypes char array type (bounded: small captures come in few sizes)
@@ -100,12 +101,15 @@ class CopyPath:
         self._meta: list[tuple[bytes, int, int]] = []  # and per capture in it: topic, payload bytes, seq
         self._sealed: list[tuple[bytearray, list[tuple[bytes, int, int]]]] = []  # full bundles of this step
         self._seq: dict[bytes, int] = {}  # per site: captures staged so far (the next one's seq)
+        self._entry: dict[bytes, struct.Struct] = {}  # per site: the struct of its bundle entries' start
         self._warned: set[str] = set()
 
     def capture(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity) -> None:
-        if t.dim() != 3:
-            t = t.reshape(ident.batch, -1, t.shape[-1])
-        batch, seq_len, hidden = t.shape
+        shape = t.shape
+        if len(shape) != 3:
+            t = t.reshape(ident.batch, -1, shape[-1])
+            shape = t.shape
+        batch, seq_len, hidden = shape
         index, tokens, n = ident.rows(seq_len)
         if n == 0:
             return
@@ -126,21 +130,24 @@ class CopyPath:
                 if index is not None:
                     rows = rows.reshape(batch * seq_len, -1).take(index, axis=0)
                 data = np.ascontiguousarray(rows).data
-            seq = self._seq.get(key.topic, 0)
-            self._seq[key.topic] = seq + 1
-            head = encode_head(self.run, key.topic, ident.phase, dtype, ident.step, key.layer, hidden, n, seq,
-                               time.time_ns())
-            size = len(head) + len(tokens) + nbytes
+            topic = key.topic
+            seq = self._seq.get(topic, 0)
+            self._seq[topic] = seq + 1
+            entry = self._entry.get(topic)
+            if entry is None:
+                entry = self._entry[topic] = entry_struct(len(topic), len(self.run))
+            size = entry.size - LENGTH.size + len(tokens) + nbytes
             buf = self._bundle
             if self._meta and len(buf) + size > BUNDLE_MAX:  # full: sealed, and sent with the rest at the end
                 self._sealed.append((buf, self._meta))
                 buf = self._bundle = bytearray(BUNDLE_TOPIC)
                 self._meta = []
-            buf += LENGTH.pack(size)
-            buf += head
+            # One pack writes the entry's length, the site, the header and the run id (encode_head's layout).
+            buf += entry.pack(size, topic, MAGIC, VERSION, ident.phase, dtype, ident.step, key.layer, hidden, n,
+                              len(self.run), len(topic), seq, time.time_ns(), self.run)
             buf += tokens
             buf += data
-            self._meta.append((key.topic, nbytes, seq))
+            self._meta.append((topic, nbytes, seq))
             return
         rows = _host_rows(t).reshape(batch * seq_len, -1)
         off, data = self._slot(nbytes)

@@ -36,7 +36,7 @@ from ._wire import (
     PRESENCE,
     WireError,
     decode_control,
-    decode_envelope,
+    decode_fields,
     split_bundle,
 )
 
@@ -127,9 +127,7 @@ def parse_capture(frames: list) -> Capture:
 
 
 def _decode(frame0: memoryview, payload_frame: memoryview | None) -> Capture:
-    h, tokens, payload = decode_envelope(frame0, payload_frame)
-    return Capture(h.site, h.layer, h.phase, h.step, h.run, h.dtype, h.hidden, h.n_tokens, tokens, payload, h.seq,
-                   h.sent_ns)
+    return Capture(*decode_fields(frame0, payload_frame))
 
 
 class Subscriber:

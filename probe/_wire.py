@@ -119,6 +119,14 @@ def encode_head(run: bytes, site: bytes, phase: int, dtype: int, step: int, laye
     return b"".join((site, b"\x00", head, run))
 
 
+def entry_struct(site_len: int, run_len: int) -> struct.Struct:
+    """The start of one bundle entry as one struct: length u32 | site | 0x00 | HEADER | run.
+
+    Packs (length, site, *HEADER fields, run): what `LENGTH.pack` + `encode_head` write, in one call
+    (a capture on the model's thread is a few microseconds; the join of four parts was a tenth of it)."""
+    return struct.Struct(f"<I{site_len}sx{HEADER.format[1:]}{run_len}s")
+
+
 def encode_bundle(frames: list[bytes]) -> bytes:
     """One frame carrying several captures' frame 0 (each with its payload inline)."""
     parts = [BUNDLE_TOPIC]
@@ -219,6 +227,39 @@ def decode_envelope(buf: memoryview, payload_frame: memoryview | None) -> tuple[
 
 
 _ITEMSIZE = {c: d.itemsize for c, d in DTYPES.items()}
+_known: dict[bytes, tuple[str, int, str, torch.dtype, int]] = {}  # validated starts; bounded like _sites_seen
+_HEAD_AT = struct.Struct("<4sHBB").size  # the bytes of HEADER a start's key covers: magic, version, phase, dtype
+
+
+def decode_fields(buf: memoryview, payload_frame: memoryview | None) -> tuple:
+    """`Capture`'s fields (site, layer, phase, step, run, dtype, hidden, n, tokens, payload, seq, sent_ns).
+
+    What `decode_envelope` checks, in fewer steps for a frame whose start (site | 0x00 | magic, version,
+    phase, dtype) and run id it has validated before: a subscriber decodes every capture (~8 per decode
+    step at batch 1), and the full checks cost 3 us of a 4 us decode. Anything new or inconsistent goes
+    through `decode_envelope`, which raises the WireError."""
+    peek = bytes(buf[:128])  # site, header and (usually) run id in one small copy
+    cut = peek.find(b"\x00", 0, 64)
+    start = cut + 1
+    size = len(buf)
+    if cut > 0 and size >= start + HEADER.size and len(peek) >= start + HEADER.size:
+        known = _known.get(peek[: start + _HEAD_AT])
+        if known is not None:
+            _, _, _, _, step, layer, hidden, n, lrun, lsite, seq, sent_ns = HEADER.unpack_from(peek, start)
+            site, site_layer, phase, dtype, itemsize = known
+            tok_at = start + HEADER.size + lrun
+            pay_at = tok_at + 24 * n
+            nbytes = n * hidden * itemsize
+            run = _runs_seen.get(peek[tok_at - lrun : tok_at]) if tok_at <= len(peek) else None
+            if (run is not None and layer == site_layer and lsite == cut and n and hidden and pay_at <= size
+                    and (size - pay_at == nbytes if payload_frame is None
+                         else size == pay_at and len(payload_frame) == nbytes)):
+                payload = buf[pay_at:] if payload_frame is None else payload_frame
+                return site, layer, phase, step, run, dtype, hidden, n, buf[tok_at:pay_at], payload, seq, sent_ns
+    h, tokens, payload = decode_envelope(buf, payload_frame)
+    if len(_known) < 4096 and cut > 0:
+        _known[bytes(buf[: start + _HEAD_AT])] = (h.site, h.layer, h.phase, h.dtype, _ITEMSIZE[DTYPE_CODE[h.dtype]])
+    return h.site, h.layer, h.phase, h.step, h.run, h.dtype, h.hidden, h.n_tokens, tokens, payload, h.seq, h.sent_ns
 
 
 def _check_magic_version(buf: memoryview, at: int) -> None:
