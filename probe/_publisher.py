@@ -153,12 +153,8 @@ class Publisher:
             if sent is False:
                 self.dropped += len(meta)
                 return
-            counts, total = self.counts, 0
-            for site, nbytes, seq in meta:  # what _sent does, per capture, in one pass
-                counts[site] = seq + 1
-                total += nbytes
-            self.published += len(meta)
-            self.bytes += total
+            for site, nbytes, seq in meta:
+                self._sent(site, seq, nbytes)
             return
         entries = split_bundle(memoryview(bundle))
         self._send_each([(site, e, nbytes, seq) for (site, nbytes, seq), e in zip(meta, entries, strict=True)])

@@ -248,7 +248,7 @@ def decode_fields(buf: memoryview, payload_frame: memoryview | None) -> tuple:
     cut = peek.find(b"\x00", 0, 64)
     start = cut + 1
     size = len(buf)
-    if cut > 0 and size >= start + HEADER.size and len(peek) >= start + HEADER.size:
+    if cut > 0 and size >= start + HEADER.size:  # then peek holds the whole header too (cut < 64)
         known = _known.get(peek[: start + _HEAD_AT])
         if known is not None:
             _, _, _, _, step, layer, hidden, n, lrun, lsite, seq, sent_ns = HEADER.unpack_from(peek, start)
@@ -263,7 +263,7 @@ def decode_fields(buf: memoryview, payload_frame: memoryview | None) -> tuple:
                 payload = buf[pay_at:] if payload_frame is None else payload_frame
                 return site, layer, phase, step, run, dtype, hidden, n, buf[tok_at:pay_at], payload, seq, sent_ns
     h, tokens, payload = decode_envelope(buf, payload_frame)
-    if len(_known) < 4096 and cut > 0:
+    if len(_known) < 4096:  # decode_envelope raised unless the start was found (cut > 0)
         _known[bytes(buf[: start + _HEAD_AT])] = (h.site, h.layer, h.phase, h.dtype, _ITEMSIZE[DTYPE_CODE[h.dtype]])
     return h.site, h.layer, h.phase, h.step, h.run, h.dtype, h.hidden, h.n_tokens, tokens, payload, h.seq, h.sent_ns
 
