@@ -7,19 +7,19 @@
 On CPU, small captures (< 64 KiB) are appended to the step's bundle (header, token ids
 and rows, copied out of the tensor at once) and ZeroMQ copies the bundle once more
 into its own message at the step's end: two memcpys of a few KiB, no tracker. Large
-captures are copied once into the staging ring and sent zero-copy; a ring slot is
-reused only once ZeroMQ has freed its message (a weak reference to the slot's array
-view dies then). Copies are
+captures are copied once into the staging ring, behind their header and tokens, and the
+whole slot is sent zero-copy as one frame; a ring slot is reused only once ZeroMQ has
+freed its message (a weak reference to the slot's array view dies then). Copies are
 single-threaded numpy: torch's `copy_` runs in the intra-op OpenMP pool, and an
 OpenMP region waiting on a core that a subscriber holds cost 7.8 ms instead of 13 us
 for 384 KiB (measured on the 2-core machine).
 
 On CUDA the rows are gathered on the device and copied non-blocking into the pinned
 ring, in the model's own stream order; one event per step marks them, and they are
-sent at a later step boundary once it has completed, so the model's thread never waits
-for the copy. (A side stream with an event per capture cost 6 CUDA calls per capture
-and measured +40 % on an H200 at batch 1: the host, not the GPU, is the bottleneck of
-a decode step there.)
+sent (a header frame, then the payload zero-copy) at a later step boundary once it has
+completed, so the model's thread never waits for the copy. (A side stream with an
+event per capture cost 6 CUDA calls per capture and measured +40 % on an H200 at batch
+1: the host, not the GPU, is the bottleneck of a decode step there.)
 
 Memory: staged payloads stay within `capacity` bytes; a capture larger than the whole
 ring is sent alone from a one-off buffer under `complete` (the hook waits for ZeroMQ to
@@ -42,8 +42,18 @@ import torch
 
 from ._identity import StepIdentity
 from ._publisher import ZERO_COPY_MIN, Publisher
-from ._staging import StagingRing
-from ._wire import BUNDLE_MAX, BUNDLE_TOPIC, DTYPE_CODE, LENGTH, MAGIC, VERSION, encode_envelope, entry_struct
+from ._staging import ALIGN, StagingRing
+from ._wire import (
+    BUNDLE_MAX,
+    BUNDLE_TOPIC,
+    DTYPE_CODE,
+    LENGTH,
+    MAGIC,
+    VERSION,
+    encode_envelope,
+    entry_struct,
+    head_format,
+)
 
 _DTYPE_INFO = {d: (c, d.itemsize) for d, c in DTYPE_CODE.items()}
 _CHARS: dict[int, type] = {}  # nbytes -> ctypes char array type (bounded: small captures come in few sizes)
@@ -102,6 +112,7 @@ class CopyPath:
         self._sealed: list[tuple[bytearray, list[tuple[bytes, int, int]]]] = []  # full bundles of this step
         self._seq: dict[bytes, int] = {}  # per site: captures staged so far (the next one's seq)
         self._entry: dict[bytes, struct.Struct] = {}  # per site: the struct of its bundle entries' start
+        self._head: dict[bytes, struct.Struct] = {}  # per site: the struct of its large captures' frame start
         self._warned: set[str] = set()
 
     def capture(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity) -> None:
@@ -150,16 +161,42 @@ class CopyPath:
             self._meta.append((topic, nbytes, seq))
             return
         rows = _host_rows(t).reshape(batch * seq_len, -1)
-        off, data = self._slot(nbytes)
-        if data is None:
+        topic = key.topic
+        head = self._head.get(topic)
+        if head is None:
+            head = self._head[topic] = struct.Struct("<" + head_format(len(topic), len(self.run)))
+        lead = head.size + len(tokens)  # frame 0 up to the payload
+        pad = -lead % ALIGN  # the payload starts 64-byte aligned in the ring: a faster copy into it
+        off, slot = self._slot(pad + lead + nbytes)
+        if slot is None:
             self.dropped += 1
             return
-        dst = data.view(rows.dtype).reshape(n, -1)
+        if off is None:  # larger than the ring: the two-frame path, which waits for its one-off buffer
+            data = slot[:nbytes]
+            self._copy_rows(rows, index, data, n)
+            self._send_staged(key, ident.step, ident.phase, dtype, hidden, tokens, None, data)
+            return
+        self._copy_rows(rows, index, slot[pad + lead :], n)
+        self.flush()  # in order: the step's small captures before this one
+        seq = self._seq.get(topic, 0)
+        self._seq[topic] = seq + 1
+        # The whole capture is one frame read in place by ZeroMQ: header and tokens written just before the
+        # rows. A separate header frame cost the sender a send and the subscriber a receive and a small
+        # allocation between large ones (3 MiB captures: 83-103 page faults per message at a raw receiver,
+        # against 0-4 for single frames).
+        head.pack_into(slot, pad, topic, MAGIC, VERSION, ident.phase, dtype, ident.step, key.layer, hidden, n,
+                       len(self.run), len(topic), seq, time.time_ns(), self.run)
+        slot[pad + head.size : pad + lead] = np.frombuffer(tokens, dtype=np.uint8)
+        held = self.pub.send(topic, None, slot[pad:], nbytes=nbytes, seq=seq)
+        self.ring.release(off, None if held is False else held)
+
+    @staticmethod
+    def _copy_rows(rows: np.ndarray, index: np.ndarray | None, dst: np.ndarray, n: int) -> None:
+        dst = dst.view(rows.dtype).reshape(n, -1)
         if index is None:
             np.copyto(dst, rows)
         else:
             np.take(rows, index, axis=0, out=dst)
-        self._send_staged(key, ident.step, ident.phase, dtype, hidden, tokens, off, data)
 
     def flush(self) -> None:
         """Hand the step's small captures to ZeroMQ in one burst (at the step's end).

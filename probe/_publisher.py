@@ -186,11 +186,12 @@ class Publisher:
         self.published += 1
         self.bytes += nbytes
 
-    def send(self, site: bytes, frame0: Frame, payload: np.ndarray | None = None, nbytes: int = 0,
+    def send(self, site: bytes, frame0: Frame | None, payload: np.ndarray | None = None, nbytes: int = 0,
              seq: int = 0, track: bool = False) -> object:
         """Hand one capture to ZeroMQ: False if dropped, else a weak reference to the payload that dies
-        when ZeroMQ is done with its memory (None when the payload travels inline; with `track`, a
-        MessageTracker instead, for a caller that still holds the payload while it waits).
+        when ZeroMQ is done with its memory (None when the payload travels inline in `frame0`; with `track`,
+        a MessageTracker instead, for a caller that still holds the payload while it waits). `frame0` None:
+        `payload` is the whole capture, header included, sent as one frame without a copy.
 
         `nbytes`: the activation bytes inside `frame0` when there is no separate payload (for stats)."""
         with self.lock:
@@ -203,27 +204,36 @@ class Publisher:
         if sent is False:
             self.dropped += 1
             return False
-        self._sent(site, seq, nbytes if payload is None else payload.nbytes)
+        self._sent(site, seq, nbytes if payload is None or frame0 is None else payload.nbytes)
         return sent
 
-    def _send_locked(self, frame0: Frame, payload: np.ndarray | None, track: bool = False) -> object:
-        """One message, both frames under one hold of the lock: False on EAGAIN, else a weakref or None."""
+    def _send_locked(self, frame0: Frame | None, payload: np.ndarray | None, track: bool = False) -> object:
+        """One message, both frames under one hold of the lock: False on EAGAIN, else a weakref or None.
+
+        `frame0` None: `payload` alone is the message (a whole capture staged in the ring), zero-copy."""
         sock = self.sock
-        try:
-            sock.send(frame0, _NOBLOCK | _SNDMORE if payload is not None else _NOBLOCK)
-        except zmq.Again:
-            return False
-        if payload is None:
-            return None
+        flags = 0
+        if frame0 is not None:
+            try:
+                sock.send(frame0, _NOBLOCK | _SNDMORE if payload is not None else _NOBLOCK)
+            except zmq.Again:
+                return False
+            if payload is None:
+                return None
+        else:
+            flags = _NOBLOCK
         # Later parts of a message never fail: NODROP checks the high-water mark on the first only.
-        if track:
-            return sock.send(payload, copy=False, track=True)
-        # No MessageTracker (it builds a threading.Event per send): pyzmq holds `payload` until ZeroMQ
-        # frees the message, so a weak reference to this one-off array view dies exactly then.
-        sock.send(payload, copy=False)
+        try:
+            if track:
+                return sock.send(payload, flags, copy=False, track=True)
+            # No MessageTracker (it builds a threading.Event per send): pyzmq holds `payload` until ZeroMQ
+            # frees the message, so a weak reference to this one-off array view dies exactly then.
+            sock.send(payload, flags, copy=False)
+        except zmq.Again:  # only a single-frame message can get here
+            return False
         return weakref.ref(payload)
 
-    def _wait_send(self, frame0: Frame, payload: np.ndarray | None, track: bool = False) -> object:
+    def _wait_send(self, frame0: Frame | None, payload: np.ndarray | None, track: bool = False) -> object:
         def attempt() -> object:
             with self.lock:
                 self._service()

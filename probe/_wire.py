@@ -1,9 +1,14 @@
 """Wire format: captures and control messages as ZeroMQ frames, nothing pickled.
 
-A capture is one or two frames, or one entry of a bundle:
+A capture is one frame, or two, or one entry of a bundle:
 
-    frame 0  site | 0x00 | HEADER | run | tokens [| payload, when small]
-    frame 1  payload (only when it is 64 KiB or more; sent zero-copy from the staging ring)
+    frame 0  site | 0x00 | HEADER | run | tokens [| payload]
+    frame 1  payload (only when frame 0 does not carry it)
+
+On CPU every capture carries its payload in frame 0: a large one (64 KiB or more) is
+staged whole in the ring (header and tokens written just before the rows) and sent
+zero-copy as one frame. A CUDA capture of 64 KiB or more sends its payload as frame 1,
+zero-copy from the pinned ring the device copied it into. Subscribers accept both.
 
 site     the site name in UTF-8, first so that ZeroMQ's prefix filter selects by site.
 HEADER   little-endian struct: magic b"PBUS", version u16, phase u8, dtype u8,
@@ -33,7 +38,11 @@ are the only control messages anyone receives.
 
 Why not one frame per part: each ZeroMQ frame costs a send and a receive call
 (~2-3 us each from Python), which dominated small decode captures; below pyzmq's
-copy threshold the payload is copied anyway, so appending it to frame 0 is free.
+copy threshold the payload is copied anyway, so appending it to frame 0 is free. For
+large captures a separate header frame also cost the receiver: libzmq allocates each
+received frame, and a small allocation between 3 MiB ones made glibc hand memory back
+to the kernel and fault it in again (83-103 page faults per message at a raw pyzmq
+receiver, 19-30 for single frames).
 `decode_envelope` validates every length before anything is built; `decode_fields` makes the same
 checks, fewer of them again for a frame start it has already validated.
 """
@@ -113,7 +122,7 @@ def encode_envelope(run: bytes, site: bytes, phase: int, dtype: int, step: int, 
     return b"".join((encode_head(run, site, phase, dtype, step, layer, hidden, n, seq, sent_ns), tokens, payload))
 
 
-def _head_format(site_len: int, run_len: int) -> str:
+def head_format(site_len: int, run_len: int) -> str:
     """The layout of frame 0 up to the tokens, site | 0x00 | HEADER | run, as struct codes (no byte order)."""
     return f"{site_len}sx{HEADER.format[1:]}{run_len}s"
 
@@ -121,7 +130,7 @@ def _head_format(site_len: int, run_len: int) -> str:
 def encode_head(run: bytes, site: bytes, phase: int, dtype: int, step: int, layer: int, hidden: int, n: int,
                 seq: int, sent_ns: int) -> bytes:
     """The start of frame 0, up to the tokens: site | 0x00 | HEADER | run."""
-    return struct.pack("<" + _head_format(len(site), len(run)), site, MAGIC, VERSION, phase, dtype, step, layer,
+    return struct.pack("<" + head_format(len(site), len(run)), site, MAGIC, VERSION, phase, dtype, step, layer,
                        hidden, n, len(run), len(site), seq, sent_ns, run)
 
 
@@ -130,7 +139,7 @@ def entry_struct(site_len: int, run_len: int) -> struct.Struct:
 
     Packs (length, site, *HEADER fields, run): `LENGTH` and `encode_head`'s layout in one call
     (a capture on the model's thread is a few microseconds; the join of four parts was a tenth of it)."""
-    return struct.Struct("<I" + _head_format(site_len, run_len))
+    return struct.Struct("<I" + head_format(site_len, run_len))
 
 
 def encode_bundle(frames: list[bytes]) -> bytes:

@@ -138,3 +138,32 @@ def test_right_padded_plain_forward_strips_padding() -> None:
     assert cap.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
     assert cap.token_ids.tolist() == [5, 6, 7, 9, 10, 11, 12, 13]
     assert EOS not in cap.token_ids.tolist()
+
+
+def test_large_captures_match_oracle() -> None:
+    """Captures of 64 KiB or more are staged whole in the ring and sent as one zero-copy frame: every row
+    equals the oracle, whether the valid rows are copied whole (no padding) or gathered (right padding)."""
+    model = build("llama")  # hidden 64: 256 rows of fp32 make 64 KiB
+    long_rows = [[(7 * i) % 120 + 3 for i in range(300)], [(5 * i) % 120 + 3 for i in range(200)]]
+    ids = torch.full((2, 300), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(long_rows):
+        ids[b, : len(row)] = torch.tensor(row)
+        mask[b, : len(row)] = 1
+    sites = ["layers.0.resid_post", "final_norm"]
+    with probe.attach(model, sites) as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1)
+        with torch.no_grad():
+            model(ids[:1])  # 300 rows, none padded: one copy of the whole tensor
+            model(ids, attention_mask=mask)  # 500 of 600 rows: gathered
+    caps = list(sub.iter(idle_timeout=1.0))
+    assert [c.n_tokens for c in caps] == [300, 300, 500, 500]
+    assert all(c.payload.nbytes >= 64 << 10 for c in caps)
+    oracles = [_oracle(model, row) for row in long_rows]
+    for cap in caps:
+        for row in range(cap.n_tokens):
+            b, pos = int(cap.seq_ids[row]) - int(cap.seq_ids[0]), int(cap.positions[row])
+            assert int(cap.token_ids[row]) == long_rows[b][pos]
+            torch.testing.assert_close(cap.tensor[row], oracles[b][cap.site][pos], atol=1e-4, rtol=1e-4)
+    assert sorted(int(p) for p in caps[2].positions) == sorted(list(range(300)) + list(range(200)))

@@ -181,7 +181,7 @@ def test_big_payloads_are_zero_copy_views_of_the_frame() -> None:
     with probe.attach(model, "layers.0.resid_post") as session:
         sub = probe.Subscriber(session.endpoint)
         session.wait_for_subscribers(1)
-        _forward(model, 1, seq=512)  # 512 x 64 x 4 B = 128 KiB: a separate, zero-copy frame
+        _forward(model, 1, seq=512)  # 512 x 64 x 4 B = 128 KiB: staged whole, sent as one zero-copy frame
     (cap,) = list(sub.iter(idle_timeout=5))
     assert cap.tensor.data_ptr() == np.frombuffer(cap.payload, dtype=np.uint8).ctypes.data
     assert not isinstance(cap.payload.obj, bytes), "the payload must be the frame's own memory"
