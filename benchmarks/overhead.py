@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -230,7 +231,7 @@ def _nnsight_ok() -> bool:
 
 
 RECV = textwrap.dedent("""
-    import sys, time, zmq, probe
+    import resource, sys, time, zmq, probe
     mode, endpoint, warm, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     if mode == "probebus":
         sub = probe.Subscriber(endpoint)
@@ -241,10 +242,13 @@ RECV = textwrap.dedent("""
         recv = lambda: s.recv_multipart(copy=False)
     for _ in range(warm):  # steady state: the sender's staging memory has been touched once
         recv()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     for _ in range(count):
         recv()
-    print(time.perf_counter() - t0, flush=True)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)  # this process's CPU (I/O thread too) and page faults
+    print(wall, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt, flush=True)
 """)
 
 
@@ -287,20 +291,27 @@ def bus_throughput() -> None:
         nbytes = rows * hidden * 4
         count = 8 * (max(200, min(20000, int(300e6 / nbytes))) // 8) if not ARGS.quick else 304
         modes = ["probebus", "raw pyzmq", "raw copy"]
-        res: dict[str, list[float]] = {m: [] for m in modes}
+        res: dict[str, list[tuple[float, float, float, float]]] = {m: [] for m in modes}
         for rep in range(ARGS.repeats):
             for mode in modes[rep % 3:] + modes[: rep % 3]:  # rotating order
                 res[mode].append(_one_throughput(mode, batch, seq, hidden, count))
-        med = {m: statistics.median(v) for m, v in res.items()}
-        print(f"  {nbytes / 1024:6.0f} KiB x {count:5d}: probebus {med['probebus']:8.0f} msg/s "
-              f"({med['probebus'] * nbytes / 1e9:5.2f} GB/s) [{min(res['probebus']):.0f}..{max(res['probebus']):.0f}]"
-              f"   raw {med['raw pyzmq']:8.0f} msg/s ({med['raw pyzmq'] * nbytes / 1e9:5.2f} GB/s)"
-              f"   ratio {med['probebus'] / med['raw pyzmq']:.2f}"
-              f"   | raw copy {med['raw copy']:8.0f} msg/s, ratio {med['probebus'] / med['raw copy']:.2f}")
+        med = {m: [statistics.median(r[i] for r in v) for i in range(4)] for m, v in res.items()}
+        lo, hi = min(r[0] for r in res["probebus"]), max(r[0] for r in res["probebus"])
+        print(f"  {nbytes / 1024:6.0f} KiB x {count:5d}: probebus {med['probebus'][0]:8.0f} msg/s "
+              f"({med['probebus'][0] * nbytes / 1e9:5.2f} GB/s) [{lo:.0f}..{hi:.0f}]"
+              f"   raw {med['raw pyzmq'][0]:8.0f} msg/s ({med['raw pyzmq'][0] * nbytes / 1e9:5.2f} GB/s)"
+              f"   ratio {med['probebus'][0] / med['raw pyzmq'][0]:.2f}"
+              f"   | raw copy {med['raw copy'][0]:8.0f} msg/s, ratio {med['probebus'][0] / med['raw copy'][0]:.2f}")
+        # On two cores both processes' CPU decides: per message, the sending process (its Python thread and
+        # ZeroMQ I/O thread) and the receiving one, and the receiver's page faults.
+        print("      CPU us/msg, sender / receiver (receiver page faults/msg): " + ";  ".join(
+            f"{m} {med[m][1]:.1f} / {med[m][2]:.1f} ({med[m][3]:.0f})" for m in modes))
 
 
-def _one_throughput(mode: str, batch: int, seq: int, hidden: int, count: int) -> float:
-    """Messages per second in steady state: the receiver starts its clock after a warm-up that is long
+def _one_throughput(mode: str, batch: int, seq: int, hidden: int, count: int) -> tuple[float, float, float, float]:
+    """(messages/s, sender CPU us/msg, receiver CPU us/msg, receiver page faults/msg) in steady state.
+
+    The receiver starts its clock after a warm-up that is long
     enough for probebus to have touched its whole staging ring once (first-touch page faults cost ~8x
     a copy into mapped memory here: a one-off cost of a new session, not of a running bus). One new
     token per row is a decode step after a prefill; more is a prefill of a new batch each step."""
@@ -317,9 +328,13 @@ def _one_throughput(mode: str, batch: int, seq: int, hidden: int, count: int) ->
             assert child.stdout is not None and child.stdout.readline().strip() == "ready"
             session.wait_for_subscribers(1, timeout=30)
             past = Past()
-            for _ in range((warm + count) // 8):
+            for i in range((warm + count) // 8):
+                if i == warm // 8:
+                    c0 = _cpu()
                 model(input_ids=ids, inputs_embeds=payload, past_key_values=past if seq == 1 else Past())
-        return count / float(child.communicate()[0])
+            out = child.communicate()[0]
+            sent = _cpu() - c0
+        return _rates(out, sent, count)
     # "raw pyzmq" sends one buffer of its own, zero-copy above pyzmq's threshold as pyzmq does by default
     # for large frames, and never copies it: the ceiling. "raw copy" copies each message (copy=True), as a
     # sender must whose source memory is reused after the send (a model's activations): the same copies
@@ -330,7 +345,9 @@ def _one_throughput(mode: str, batch: int, seq: int, hidden: int, count: int) ->
     child = subprocess.Popen([sys.executable, "-c", RECV, mode, endpoint, *args], stdout=subprocess.PIPE)
     sock.recv()
     data = payload.numpy()
-    for _ in range(warm + count):
+    for i in range(warm + count):
+        if i == warm:
+            c0 = _cpu()
         while True:
             try:
                 sock.send(data, zmq.NOBLOCK, copy=mode == "raw copy" or data.nbytes < zmq.COPY_THRESHOLD)
@@ -338,8 +355,19 @@ def _one_throughput(mode: str, batch: int, seq: int, hidden: int, count: int) ->
             except zmq.Again:
                 time.sleep(0.0002)
     out = child.communicate()[0]
+    sent = _cpu() - c0
     sock.close(5000)
-    return count / float(out)
+    return _rates(out, sent, count)
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _rates(out: str | bytes, sender_cpu: float, count: int) -> tuple[float, float, float, float]:
+    wall, cpu, faults = (float(x) for x in out.split())
+    return count / wall, sender_cpu / count * 1e6, cpu / count * 1e6, faults / count
 
 
 def machine() -> str:
