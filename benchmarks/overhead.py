@@ -335,8 +335,8 @@ def _one_throughput(mode: str, batch: int, seq: int, hidden: int, count: int) ->
             out = child.communicate()[0]
             sent = _cpu() - c0
         return _rates(out, sent, count)
-    # "raw pyzmq" sends one buffer of its own, zero-copy above pyzmq's threshold as pyzmq does by default
-    # for large frames, and never copies it: the ceiling. "raw copy" copies each message (copy=True), as a
+    # "raw pyzmq" sends one buffer of its own with copy=False (pyzmq still copies below its 64 KiB
+    # threshold) and never writes to it: the ceiling. "raw copy" is pyzmq's default send (copy=True), as a
     # sender must whose source memory is reused after the send (a model's activations): the same copies
     # as probebus makes, the fair comparison for what a bus of live tensors can reach.
     sock = zmq.Context.instance().socket(zmq.XPUB)
