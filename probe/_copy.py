@@ -176,18 +176,22 @@ class CopyPath:
             self._copy_rows(rows, index, data, n)
             self._send_staged(key, ident.step, ident.phase, dtype, hidden, tokens, None, data)
             return
-        self._copy_rows(rows, index, slot[pad + lead :], n)
-        self.flush()  # in order: the step's small captures before this one
-        seq = self._seq.get(topic, 0)
-        self._seq[topic] = seq + 1
-        # The whole capture is one frame read in place by ZeroMQ: header and tokens written just before the
-        # rows. A separate header frame cost the sender a send and the subscriber a receive and a small
-        # allocation between large ones (3 MiB captures: 83-103 page faults per message at a raw receiver,
-        # against 0-4 for single frames).
-        head.pack_into(slot, pad, topic, MAGIC, VERSION, ident.phase, dtype, ident.step, key.layer, hidden, n,
-                       len(self.run), len(topic), seq, time.time_ns(), self.run)
-        slot[pad + head.size : pad + lead] = np.frombuffer(tokens, dtype=np.uint8)
-        held = self.pub.send(topic, None, slot[pad:], nbytes=nbytes, seq=seq)
+        try:
+            self._copy_rows(rows, index, slot[pad + lead :], n)
+            self.flush()  # in order: the step's small captures before this one
+            seq = self._seq.get(topic, 0)
+            self._seq[topic] = seq + 1
+            # The whole capture is one frame read in place by ZeroMQ: header and tokens written just before
+            # the rows. A separate header frame cost the sender a send and the subscriber a receive and a small
+            # allocation between large ones (3 MiB captures: 83-103 page faults per message at a raw
+            # receiver, against 0-4 for single frames).
+            head.pack_into(slot, pad, topic, MAGIC, VERSION, ident.phase, dtype, ident.step, key.layer, hidden, n,
+                           len(self.run), len(topic), seq, time.time_ns(), self.run)
+            slot[pad + head.size : pad + lead] = np.frombuffer(tokens, dtype=np.uint8)
+            held = self.pub.send(topic, None, slot[pad:], nbytes=nbytes, seq=seq)
+        except BaseException:
+            self.ring.release(off)  # the ring frees in order: a slot left staged would block it for good
+            raise
         self.ring.release(off, None if held is False else held)
 
     @staticmethod
