@@ -95,6 +95,7 @@ class _DeviceCopy(NamedTuple):
     tokens: bytes
     off: int | None  # ring slot, or None for a one-off buffer
     data: np.ndarray
+    failed: bool = False  # the capture failed: nothing to send, the slot only waits for the step's event
 
 
 class CopyPath:
@@ -276,11 +277,24 @@ class CopyPath:
         if data is None:
             self.dropped += 1
             return
-        src = t.detach().reshape(batch * seq_len, hidden)
-        rows = src if index is None else src.index_select(0, ident.device_index(seq_len))
+        copy = _DeviceCopy(key, ident.step, ident.phase, dtype, hidden, tokens, off, data)
+        try:
+            self._device_rows(t, None if index is None else ident.device_index(seq_len), data, n)
+        except BaseException:
+            # The ring frees in order, so a slot left staged would block it for good; a copy may already be
+            # queued into it, so it is freed at the step's event like the others, and never sent.
+            self._step_copies.append(copy._replace(failed=True))
+            raise
+        self._step_copies.append(copy)
+
+    @staticmethod
+    def _device_rows(t: torch.Tensor, index: torch.Tensor | None, data: np.ndarray, n: int) -> None:
+        """Gather the valid rows on the device and queue their copy into `data` (pinned), non-blocking."""
+        hidden = t.shape[-1]
+        src = t.detach().reshape(-1, hidden)
+        rows = src if index is None else src.index_select(0, index)
         dst = torch.from_numpy(data).view(t.dtype).view(n, hidden)
         dst.copy_(rows, non_blocking=True)  # the model's stream: ordered after the layer, no record_stream needed
-        self._step_copies.append(_DeviceCopy(key, ident.step, ident.phase, dtype, hidden, tokens, off, data))
 
     def flush_device(self, block: bool) -> None:
         """Send, in order, the device copies that have landed (all of them when `block`)."""
@@ -295,6 +309,10 @@ class CopyPath:
             event, copies = pending.popleft()
             event.synchronize()  # type: ignore[attr-defined]
             for c in copies:
+                if c.failed:
+                    if c.off is not None:
+                        self.ring.release(c.off)
+                    continue
                 self._send_staged(c.key, c.step, c.phase, c.dtype, c.hidden, c.tokens, c.off, c.data)
 
     @property
