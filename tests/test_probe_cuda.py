@@ -31,33 +31,16 @@ def test_cuda_captures_equal_hidden_states() -> None:
 
 
 def test_a_failed_cuda_capture_frees_its_ring_slot(monkeypatch) -> None:  # noqa: ANN001
-    """As on CPU (test_probe_hardening): a capture that fails after taking its pinned ring slot must not block
-    the ring. The slot is freed at the step's event, after any copy already queued into it. The failure is
-    injected: a device copy that raises cannot be caused for real."""
-    import time
-
-    from probe._copy import CopyPath
+    """As on CPU: a capture that fails after taking its pinned ring slot must not block the ring. Here the slot
+    is freed at the step's event, after any copy already queued into it."""
+    from test_probe_hardening import check_ring_survives_a_failed_capture, fail_first_copy
 
     model = build("llama").cuda()
-    real, calls = CopyPath._device_rows, []
-
-    def fail_once(t, index, data, n):  # noqa: ANN001, ANN202
-        calls.append(n)
-        if len(calls) == 1:
-            raise RuntimeError("injected copy failure")
-        real(t, index, data, n)
-
-    monkeypatch.setattr(CopyPath, "_device_rows", staticmethod(fail_once))
     ids = (torch.arange(512) % 100 + 3).unsqueeze(0).cuda()  # 512 x 64 x 4 B = 128 KiB a capture
-    with probe.attach(model, "layers.0.resid_post", policy="best_effort", capacity_bytes=300 << 10) as session:
-        sub = probe.Subscriber(session.endpoint)
-        session.wait_for_subscribers(1)
-        with pytest.warns(UserWarning, match="injected copy failure"), torch.no_grad():
+    fail_first_copy(monkeypatch, "_device_rows")
+
+    def forward() -> None:
+        with torch.no_grad():
             model(ids)
-        for _ in range(12):
-            with torch.no_grad():
-                model(ids)
-            time.sleep(0.05)
-    caps = list(sub.iter(idle_timeout=5))
-    stats = session.stats
-    assert stats.captured == 13 and stats.dropped == 1 and len(caps) == 12, (stats, len(caps))
+
+    check_ring_survives_a_failed_capture(model, forward)

@@ -176,33 +176,42 @@ def test_captures_larger_than_the_ring_stay_bounded(tmp_path: Path) -> None:
     assert len(caps) == 20 and all(c.n_tokens == 1500 for c in caps) and grew < 40, grew
 
 
-def test_a_failed_large_capture_frees_its_ring_slot(monkeypatch) -> None:  # noqa: ANN001
-    """The ring frees its slots in order, so a slot left staged by a capture that failed mid-way would block
-    every later one. A copy that fails is a fault we cannot cause for real, so one is injected."""
+def fail_first_copy(monkeypatch, name: str) -> None:  # noqa: ANN001
+    """Make `CopyPath.<name>` (a static copy helper) raise on its first call only: a copy that fails is a fault
+    we cannot cause for real."""
     from probe._copy import CopyPath
 
-    model = build("llama")
-    real, calls = CopyPath._copy_rows, []
+    real, calls = getattr(CopyPath, name), []
 
-    def fail_once(rows, index, dst, n):  # noqa: ANN001, ANN202
-        calls.append(n)
+    def fail_once(*args):  # noqa: ANN002, ANN202
+        calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected copy failure")
-        real(rows, index, dst, n)
+        real(*args)
 
-    monkeypatch.setattr(CopyPath, "_copy_rows", staticmethod(fail_once))
-    # 512 x 64 x 4 B = 128 KiB a capture; the ring holds two: a stuck slot would drop all but about one more
+    monkeypatch.setattr(CopyPath, name, staticmethod(fail_once))
+
+
+def check_ring_survives_a_failed_capture(model: torch.nn.Module, forward) -> None:  # noqa: ANN001
+    """13 forwards of 128 KiB captures into a ring that holds two, the first failing: the other 12 arrive.
+    The ring frees its slots in order, so a slot the failed capture left staged would drop all but about one."""
     with probe.attach(model, "layers.0.resid_post", policy="best_effort", capacity_bytes=300 << 10) as session:
         sub = probe.Subscriber(session.endpoint)
         session.wait_for_subscribers(1)
         with pytest.warns(UserWarning, match="injected copy failure"):
-            _forward(model, 1, seq=512)
+            forward()
         for _ in range(12):
-            _forward(model, 1, seq=512)
+            forward()
             time.sleep(0.05)  # best_effort: leave ZeroMQ time to free the previous slots
     caps = list(sub.iter(idle_timeout=5))
     stats = session.stats
     assert stats.captured == 13 and stats.dropped == 1 and len(caps) == 12, (stats, len(caps))
+
+
+def test_a_failed_large_capture_frees_its_ring_slot(monkeypatch) -> None:  # noqa: ANN001
+    model = build("llama")
+    fail_first_copy(monkeypatch, "_copy_rows")
+    check_ring_survives_a_failed_capture(model, lambda: _forward(model, 1, seq=512))  # 512 x 64 x 4 B = 128 KiB
 
 
 def test_big_payloads_are_zero_copy_views_of_the_frame() -> None:
