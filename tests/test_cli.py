@@ -29,20 +29,19 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert all(r["sequences"] == 4 for r in sites.values())
 
 
+def _main_io(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """The same entry point in this process (each fresh interpreter costs ~6 s of imports): (code, stdout, stderr)."""
+    from probebus.cli import main
+
+    code = main(list(args))
+    got = capsys.readouterr()
+    return code, got.out, got.err
+
+
 def _main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
-    """The same entry point in this process (each fresh interpreter costs ~6 s of imports): (code, stderr)."""
-    from probebus.cli import main
-
-    code = main(list(args))
-    return code, capsys.readouterr().err
-
-
-def _main_out(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
-    """`_main`, returning (code, stdout)."""
-    from probebus.cli import main
-
-    code = main(list(args))
-    return code, capsys.readouterr().out
+    """`_main_io` without stdout: (code, stderr)."""
+    code, _, err = _main_io(capsys, *args)
+    return code, err
 
 
 def test_sites_of_the_default_model(capsys: pytest.CaptureFixture) -> None:
@@ -67,7 +66,7 @@ def test_generate_json_with_the_default_drafter_matches_no_drafter(capsys: pytes
     assert res.returncode == 0, res.stderr[-2000:]
     outs = {"default": json.loads(res.stdout.strip().splitlines()[-1])}
     for drafter in ("none", "ngram"):
-        code, out = _main_out(capsys, *args, "--drafter", drafter)
+        code, out, _ = _main_io(capsys, *args, "--drafter", drafter)
         assert code == 0
         outs[drafter] = json.loads(out.strip().splitlines()[-1])
     assert outs["default"]["token_ids"] == outs["none"]["token_ids"] == outs["ngram"]["token_ids"]
