@@ -52,7 +52,7 @@ from ._wire import (
     VERSION,
     encode_envelope,
     entry_struct,
-    head_format,
+    head_struct,
 )
 
 _DTYPE_INFO = {d: (c, d.itemsize) for d, c in DTYPE_CODE.items()}
@@ -165,7 +165,7 @@ class CopyPath:
         topic = key.topic
         head = self._head.get(topic)
         if head is None:
-            head = self._head[topic] = struct.Struct("<" + head_format(len(topic), len(self.run)))
+            head = self._head[topic] = head_struct(len(topic), len(self.run))
         lead = head.size + len(tokens)  # frame 0 up to the payload
         pad = -lead % ALIGN  # the payload starts 64-byte aligned in the ring: a faster copy into it
         off, slot = self._slot(pad + lead + nbytes)

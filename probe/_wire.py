@@ -122,7 +122,7 @@ def encode_envelope(run: bytes, site: bytes, phase: int, dtype: int, step: int, 
     return b"".join((encode_head(run, site, phase, dtype, step, layer, hidden, n, seq, sent_ns), tokens, payload))
 
 
-def head_format(site_len: int, run_len: int) -> str:
+def _head_format(site_len: int, run_len: int) -> str:
     """The layout of frame 0 up to the tokens, site | 0x00 | HEADER | run, as struct codes (no byte order)."""
     return f"{site_len}sx{HEADER.format[1:]}{run_len}s"
 
@@ -130,7 +130,7 @@ def head_format(site_len: int, run_len: int) -> str:
 def encode_head(run: bytes, site: bytes, phase: int, dtype: int, step: int, layer: int, hidden: int, n: int,
                 seq: int, sent_ns: int) -> bytes:
     """The start of frame 0, up to the tokens: site | 0x00 | HEADER | run."""
-    return struct.pack("<" + head_format(len(site), len(run)), site, MAGIC, VERSION, phase, dtype, step, layer,
+    return struct.pack("<" + _head_format(len(site), len(run)), site, MAGIC, VERSION, phase, dtype, step, layer,
                        hidden, n, len(run), len(site), seq, sent_ns, run)
 
 
@@ -139,7 +139,12 @@ def entry_struct(site_len: int, run_len: int) -> struct.Struct:
 
     Packs (length, site, *HEADER fields, run): `LENGTH` and `encode_head`'s layout in one call
     (a capture on the model's thread is a few microseconds; the join of four parts was a tenth of it)."""
-    return struct.Struct("<I" + head_format(site_len, run_len))
+    return struct.Struct("<I" + _head_format(site_len, run_len))
+
+
+def head_struct(site_len: int, run_len: int) -> struct.Struct:
+    """`encode_head`'s layout as a struct, for packing in place (`pack_into` a ring slot)."""
+    return struct.Struct("<" + _head_format(site_len, run_len))
 
 
 def encode_bundle(frames: list[bytes]) -> bytes:
