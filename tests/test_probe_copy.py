@@ -1,0 +1,111 @@
+"""The copy path's held captures: a decode step's small captures are copied at once and packed at its end.
+
+Real sockets: a Publisher and a Subscriber over loopback TCP, the copy path between them."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import probe
+from probe._copy import _ARENA_START, CopyPath, SiteKey
+from probe._identity import IdentityTracker
+from probe._publisher import Publisher
+
+
+def _key(i: int, name: str = "resid_post") -> SiteKey:
+    site = f"layers.{i}.{name}"
+    return SiteKey(site, site.encode(), i)
+
+
+@pytest.fixture
+def bus():  # noqa: ANN201
+    pub = Publisher("tcp://127.0.0.1:*", run="r1", policy="complete", sndhwm=1000, curve_secret_key=None,
+                    stall_timeout=30.0)
+    sub = probe.Subscriber(pub.endpoint)
+    assert pub.wait_until(lambda: len(pub.subscribers) >= 1, 10)
+    path = CopyPath(pub, run=b"r1", capacity=8 << 20, cuda_device=None)
+    yield pub, path, sub
+    sub.close()
+
+
+def _finish(pub: Publisher, path: CopyPath, sub: probe.Subscriber) -> list:
+    path.flush_device(block=True)
+    pub.close({"run": "r1"}, 10.0)
+    return list(sub)
+
+
+def _decode_step(tracker: IdentityTracker, batch: int, past: int = 7):  # noqa: ANN202
+    ids = torch.arange(batch, dtype=torch.long)[:, None] + 100
+    ident = tracker.begin(ids, None, past, batch, 1, None, torch.device("cpu"))
+    assert ident.valid is None  # every row real: the held path
+    return ident
+
+
+def test_a_held_capture_keeps_the_values_it_had_and_its_place(bus) -> None:  # noqa: ANN001
+    """vLLM updates its residual stream in place after the hook: a held capture must be a copy taken at
+    once, not a reference read at the step's end; a capture that takes the general path in between keeps
+    its place in the order."""
+    pub, path, sub = bus
+    ident = _decode_step(IdentityTracker(np.empty(0, dtype=np.int64)), 4)
+    t = torch.randn(4, 1, 64)
+    first = t.clone()
+    path.capture(_key(0), t, ident)
+    t.add_(1.0)  # the model overwrites the buffer in place, as vLLM's fused add does
+    odd = torch.randn(4, 1, 128)[..., ::2]  # not contiguous: the general path
+    path.capture(_key(1), odd, ident)
+    path.capture(_key(2), t, ident)
+    assert path.queued == 3
+    got = _finish(pub, path, sub)
+    assert [c.site for c in got] == ["layers.0.resid_post", "layers.1.resid_post", "layers.2.resid_post"]
+    assert torch.equal(got[0].tensor, first.reshape(4, 64))
+    assert torch.equal(got[1].tensor, odd.reshape(4, 64))
+    assert torch.equal(got[2].tensor, (first + 1.0).reshape(4, 64))
+    assert got[0].token_ids.tolist() == [100, 101, 102, 103] and got[0].positions.tolist() == [7] * 4
+    assert path.captured == pub.published == 3 and path.dropped == 0
+
+
+def test_a_held_capture_that_does_not_fit_its_step_is_dropped_and_counted(bus) -> None:  # noqa: ANN001
+    """A tensor whose rows do not match the step is found out when packed: dropped, counted and warned
+    once, and the step's other captures still go out."""
+    pub, path, sub = bus
+    ident = _decode_step(IdentityTracker(np.empty(0, dtype=np.int64)), 4)
+    good = torch.randn(4, 1, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path.capture(_key(0), good, ident)
+        path.capture(_key(1), torch.randn(6, 32), ident)  # 6 rows in a 4-row step
+        path.capture(_key(2), good, ident)
+        got = _finish(pub, path, sub)
+    assert [c.site for c in got] == ["layers.0.resid_post", "layers.2.resid_post"]
+    assert all(torch.equal(c.tensor, good.reshape(4, 32)) for c in got)
+    assert path.captured == 3 and path.dropped == 1 and pub.published == 2
+    assert path.captured == pub.published + path.dropped + pub.dropped
+    assert [str(w.message) for w in caught if "layers.1.resid_post" in str(w.message)], caught
+
+
+def test_held_captures_beyond_the_arena_all_arrive_in_order(bus) -> None:  # noqa: ANN001
+    """More held bytes than the arena in one step: the rest take the general path, in order, bit-exact,
+    and the arena grows so that the next step holds them all."""
+    pub, path, sub = bus
+    tracker = IdentityTracker(np.empty(0, dtype=np.int64))
+    per = (60_000 // 4) // 8  # 8 rows of 1875 fp32: 60,000 bytes, under the 64 KiB of a small capture
+    n_sites = 2 * _ARENA_START // 60_000 + 1
+    sent = []
+    for step in range(2):
+        ident = _decode_step(tracker, 8, past=7 + step)
+        for i in range(n_sites):
+            t = torch.randn(8, 1, per)
+            sent.append((f"layers.{i}.resid_post", t.reshape(8, per).clone()))
+            path.capture(_key(i), t, ident)
+        path.flush_device(block=False)
+        if step == 0:
+            assert path._arena_size > _ARENA_START
+    got = _finish(pub, path, sub)
+    assert [c.site for c in got] == [s for s, _ in sent]
+    assert all(torch.equal(c.tensor, t) for c, (_, t) in zip(got, sent, strict=True))
+    assert [c.seq for c in got[:n_sites]] == [0] * n_sites and [c.seq for c in got[n_sites:]] == [1] * n_sites
+    assert path.captured == pub.published == 2 * n_sites
