@@ -153,8 +153,12 @@ class Publisher:
             if sent is False:
                 self.dropped += len(meta)
                 return
-            for site, nbytes, seq in meta:
-                self._sent(site, seq, nbytes)
+            counts, total = self.counts, 0
+            for site, nbytes, seq in meta:  # `_sent` inlined: a call per capture, from cold caches, cost ~3 us
+                counts[site] = seq + 1
+                total += nbytes
+            self.published += len(meta)
+            self.bytes += total
             return
         entries = split_bundle(memoryview(bundle))
         self._send_each([(site, e, nbytes, seq) for (site, nbytes, seq), e in zip(meta, entries, strict=True)])
