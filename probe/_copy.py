@@ -131,24 +131,35 @@ class CopyPath:
         self._held: list[tuple[SiteKey, torch.Tensor, StepIdentity, int, int]] = []  # key, tensor, ident, at, bytes
 
     def capture(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity) -> None:
-        # The common case (a decode step's capture: every row real, contiguous, on the host, under 64 KiB)
-        # copies its bytes now, because the model may overwrite them (vLLM's residual is updated in place),
-        # and leaves everything else to the step's end. Between a model's layers every Python operation runs
-        # from cold caches: ~5 us for a dict lookup that costs 0.07 warm. The whole path below cost 57-80 us
-        # per capture inside a vLLM worker at batch 8 (2.5-3.5 % of its decode time); this one ~10-15 us, and
-        # the packing at the step's end runs its loop warm.
-        if ident.valid is None and t.is_cpu and t.is_contiguous():
-            nbytes = t.nbytes
-            used = self._arena_used
-            if nbytes < ZERO_COPY_MIN:
-                if used + nbytes <= self._arena_size:
-                    _memmove(self._arena_at + used, t.data_ptr(), nbytes)
-                    self._arena_used = used + nbytes
-                    self._held.append((key, t, ident, used, nbytes))  # shape and dtype are read at the step's end
-                    return
-                self._arena_short = True
-        if self._held:
-            self._pack_held()  # in order: the held captures go into the bundle before this one
+        """Stage one capture. One that fails is counted (captured and dropped) here, and its exception raised
+        for the caller to report: the counts stay exact even when held captures were packed on the way."""
+        before = -1
+        try:
+            # The common case (a decode step's capture: every row real, contiguous, on the host, under 64 KiB)
+            # copies its bytes now, because the model may overwrite them (vLLM's residual is updated in place),
+            # and leaves everything else to the step's end. Between a model's layers every Python operation runs
+            # from cold caches: ~5 us for a dict lookup that costs 0.07 warm. The general path cost 35-80 us per
+            # capture inside a vLLM worker at batch 8; this one 11-16 us, and the step's end packs in one loop.
+            if ident.valid is None and t.is_cpu and t.is_contiguous():
+                nbytes = t.nbytes
+                used = self._arena_used
+                if nbytes < ZERO_COPY_MIN:
+                    if used + nbytes <= self._arena_size:
+                        _memmove(self._arena_at + used, t.data_ptr(), nbytes)
+                        self._arena_used = used + nbytes
+                        self._held.append((key, t, ident, used, nbytes))  # shape, dtype: read at the step's end
+                        return
+                    self._arena_short = True
+            if self._held:
+                self._pack_held()  # in order: the held captures go into the bundle before this one
+            before = self.captured
+            self._capture_now(key, t, ident)
+        except Exception:
+            self.captured = (self.captured if before < 0 else before) + 1
+            self.dropped += 1
+            raise
+
+    def _capture_now(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity) -> None:
         shape = t.shape
         if len(shape) != 3:
             t = t.reshape(ident.batch, -1, shape[-1])

@@ -211,7 +211,6 @@ class Hooks:
 
     def _capture(self, key: SiteKey, t: torch.Tensor) -> None:
         cp = self._copy
-        before = cp.captured
         try:
             ident = self._ident
             if ident is None:  # the layer ran outside a forward of the attached model: no step end follows
@@ -219,9 +218,7 @@ class Hooks:
                 cp.flush_device(block=False)  # CPU: sends it now; CUDA: marks its copy for a later boundary
             else:
                 cp.capture(key, t, ident)
-        except Exception as exc:  # never crash the model being observed
-            cp.captured = before + 1
-            cp.dropped += 1
+        except Exception as exc:  # never crash the model being observed (the copy path counted it dropped)
             self._warn_once(repr(type(exc)), f"probebus: capture of {key.name} failed and was dropped: {exc!r}")
 
     def _ident_from_shape(self, t: torch.Tensor) -> StepIdentity:

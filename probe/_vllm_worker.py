@@ -274,9 +274,8 @@ class VllmProbe:
         try:
             for ident in self._idents:
                 self._copy.capture(key, t, ident)
-        except Exception:  # never crash the engine being observed
-            self._copy.captured += 1
-            self._copy.dropped += 1
+        except Exception:  # never crash the engine being observed (the copy path counted it dropped)
+            pass
 
     def _step_end(self, module: nn.Module, args: tuple, output: object) -> None:
         self._idents = []

@@ -109,3 +109,19 @@ def test_held_captures_beyond_the_arena_all_arrive_in_order(bus) -> None:  # noq
     assert all(torch.equal(c.tensor, t) for c, (_, t) in zip(got, sent, strict=True))
     assert [c.seq for c in got[:n_sites]] == [0] * n_sites and [c.seq for c in got[n_sites:]] == [1] * n_sites
     assert path.captured == pub.published == 2 * n_sites
+
+
+def test_a_failed_capture_after_held_ones_keeps_the_counts_exact(bus) -> None:  # noqa: ANN001
+    """A capture that fails on the general path packs the held ones first; it is counted once, dropped,
+    and raised, and the held ones before it are still counted and sent."""
+    pub, path, sub = bus
+    ident = _decode_step(IdentityTracker(np.empty(0, dtype=np.int64)), 2)
+    good = torch.randn(2, 1, 16)
+    path.capture(_key(0), good, ident)
+    path.capture(_key(1), good, ident)
+    with pytest.raises(TypeError, match="cannot be published"):
+        path.capture(_key(2), torch.zeros(2, 1, 32, dtype=torch.complex64)[..., ::2], ident)
+    path.capture(_key(3), good, ident)
+    got = _finish(pub, path, sub)
+    assert [c.site for c in got] == ["layers.0.resid_post", "layers.1.resid_post", "layers.3.resid_post"]
+    assert (path.captured, path.dropped, pub.published) == (4, 1, 3)
