@@ -23,11 +23,12 @@ model each numpy call costs 5-40 us because its code is cold between layers, and
 general path below makes a few dozen of them.
 
 vLLM's decoder layers pass `(hidden_states, residual)` and fuse the residual add into
-the next norm (in place on CPU), which returns `(normed, hidden_states + residual)`:
+the next norm, which returns `(normed, hidden_states + residual)` (in place with vLLM's C
+kernel on GPUs; the native op that 0.32's CPU build picks returns new tensors):
 that second output is transformers' residual stream, so `resid_pre` and `resid_mid`
 are read from the output of the norm that starts the layer / the MLP half, and
 `resid_post` of layer i from the norm that starts layer i + 1 (the final norm after the
-last layer), copied at once before the next fused add overwrites it. No add of our own
+last layer), copied at once: an in-place kernel's next fused add overwrites it. No add of our own
 on the model's thread (a torch op per site per step costs 5-10 us of dispatch there);
 only a layer whose successor runs on another pipeline stage sums its pair itself.
 """

@@ -46,7 +46,7 @@ def _decode_step(tracker: IdentityTracker, batch: int, past: int = 7):  # noqa: 
 
 
 def test_a_held_capture_keeps_the_values_it_had_and_its_place(bus) -> None:  # noqa: ANN001
-    """vLLM updates its residual stream in place after the hook: a held capture must be a copy taken at
+    """vLLM's C kernel updates the residual stream in place after the hook: a held capture must be a copy taken at
     once, not a reference read at the step's end; a capture that takes the general path in between keeps
     its place in the order."""
     pub, path, sub = bus
@@ -54,7 +54,7 @@ def test_a_held_capture_keeps_the_values_it_had_and_its_place(bus) -> None:  # n
     t = torch.randn(4, 1, 64)
     first = t.clone()
     path.capture(_key(0), t, ident)
-    t.add_(1.0)  # the model overwrites the buffer in place, as vLLM's fused add does
+    t.add_(1.0)  # the model overwrites the buffer in place, as vLLM's C kernel's fused add does
     odd = torch.randn(4, 1, 128)[..., ::2]  # not contiguous: the general path
     path.capture(_key(1), odd, ident)
     path.capture(_key(2), t, ident)
