@@ -65,6 +65,14 @@ _memmove = ctypes.memmove
 _CHARS: dict[int, type] = {}  # nbytes -> ctypes char array type (bounded: small captures come in few sizes)
 
 
+def _dtype_info(dt: torch.dtype) -> tuple[int, int]:
+    """(wire dtype code, item size); TypeError for a dtype the wire has no code for."""
+    got = _DTYPE_INFO.get(dt)
+    if got is None:
+        raise TypeError(f"dtype {dt} cannot be published")
+    return got
+
+
 def _host_bytes(address: int, nbytes: int) -> ctypes.Array:
     """The `nbytes` at `address` in this process as a buffer, for one copy while the tensor is alive.
 
@@ -168,10 +176,7 @@ class CopyPath:
         index, tokens, n = ident.rows(seq_len)
         if n == 0:
             return
-        got = _DTYPE_INFO.get(t.dtype)
-        if got is None:
-            raise TypeError(f"dtype {t.dtype} cannot be published")
-        dtype, itemsize = got
+        dtype, itemsize = _dtype_info(t.dtype)
         self.captured += 1
         nbytes = n * hidden * itemsize
         if t.is_cuda:
@@ -248,25 +253,26 @@ class CopyPath:
         held, self._held = self._held, []
         arena = memoryview(self._arena)
         sent_ns = time.time_ns()  # one stamp: they leave together
-        last: tuple = ()  # (ident, shape, dtype) of the entry before: a decode step's captures share them
+        last: tuple = ()  # (ident, shape) of the entry before: a decode step's captures share its rows
         for key, t, ident, at, nbytes in held:
+            counted = False
             try:
                 shape, dt = t.shape, t.dtype
-                if last != (ident, shape, dt):
-                    last = (ident, shape, dt)
+                if last != (ident, shape):
+                    last = (ident, shape)
                     hidden = shape[-1]
                     index, tokens, n = ident.rows(shape[1] if len(shape) == 3 else shape[0] // ident.batch)
-                    dtype, itemsize = _DTYPE_INFO.get(dt, (None, 0))
-                if dtype is None:
-                    raise TypeError(f"dtype {dt} cannot be published")
                 if n == 0:
                     continue
                 self.captured += 1
+                counted = True
+                dtype, itemsize = _dtype_info(dt)
                 if index is not None or n * hidden * itemsize != nbytes:
                     raise ValueError(f"a {tuple(shape)} activation does not match the step's {ident.batch} rows")
                 self._bundle_entry(key, ident, dtype, hidden, n, tokens, arena[at : at + nbytes], nbytes, sent_ns)
             except Exception as exc:  # the step's other captures still go out
                 last = ()
+                self.captured += not counted  # counted once, whatever raised
                 self.dropped += 1
                 self._warn_once(repr(type(exc)), f"probebus: capture of {key.name} failed and was dropped: {exc!r}")
         self._arena_used = 0

@@ -125,3 +125,19 @@ def test_a_failed_capture_after_held_ones_keeps_the_counts_exact(bus) -> None:  
     got = _finish(pub, path, sub)
     assert [c.site for c in got] == ["layers.0.resid_post", "layers.1.resid_post", "layers.3.resid_post"]
     assert (path.captured, path.dropped, pub.published) == (4, 1, 3)
+
+
+def test_a_held_capture_of_a_dtype_the_wire_lacks_is_counted_and_dropped(bus) -> None:  # noqa: ANN001
+    """A contiguous decode capture is held before its dtype is looked at; the step's end finds the dtype has
+    no wire code, and counts it captured once and dropped."""
+    pub, path, sub = bus
+    ident = _decode_step(IdentityTracker(np.empty(0, dtype=np.int64)), 2)
+    good = torch.randn(2, 1, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path.capture(_key(0), torch.zeros(2, 1, 16, dtype=torch.complex64), ident)
+        path.capture(_key(1), good, ident)
+        got = _finish(pub, path, sub)
+    assert [c.site for c in got] == ["layers.1.resid_post"]
+    assert (path.captured, path.dropped, pub.published) == (2, 1, 1)
+    assert any("cannot be published" in str(w.message) for w in caught), caught
