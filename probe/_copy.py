@@ -35,6 +35,7 @@ this process until the step ends (under 64 KiB each, one per site).
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
 import time
 import warnings
@@ -141,7 +142,7 @@ class CopyPath:
     def capture(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity) -> None:
         """Stage one capture. One that fails is counted (captured and dropped) here, and its exception raised
         for the caller to report: the counts stay exact even when held captures were packed on the way."""
-        before = -1
+        before = self.captured
         try:
             # The common case (a decode step's capture: every row real, contiguous, on the host, under 64 KiB)
             # copies its bytes now, because the model may overwrite them (vLLM's C kernel adds the residual in place),
@@ -160,10 +161,10 @@ class CopyPath:
                     self._arena_short = True
             if self._held:
                 self._pack_held()  # in order: the held captures go into the bundle before this one
-            before = self.captured
+                before = self.captured
             self._capture_now(key, t, ident)
         except Exception:
-            self.captured = (self.captured if before < 0 else before) + 1
+            self.captured = before + 1
             self.dropped += 1
             raise
 
@@ -261,7 +262,9 @@ class CopyPath:
                 if last != (ident, shape):
                     last = (ident, shape)
                     hidden = shape[-1]
-                    index, tokens, n = ident.rows(shape[1] if len(shape) == 3 else shape[0] // ident.batch)
+                    # The rows `_capture_now` would see: it reshapes any other rank to [batch, -1, hidden].
+                    seq_len = shape[1] if len(shape) == 3 else math.prod(shape) // (ident.batch * hidden)
+                    index, tokens, n = ident.rows(seq_len)
                 if n == 0:
                     continue
                 self.captured += 1
