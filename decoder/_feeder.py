@@ -90,7 +90,7 @@ class EagleFeeder:
             self.connect(endpoint)
 
     def connect(self, endpoint: str) -> None:
-        self.sub = probe.Subscriber(endpoint, self.sites)
+        self.sub = probe.Subscriber(endpoint, self.sites, live=True)  # each round needs the forward it follows
 
     def close(self) -> None:
         if self.sub is not None:

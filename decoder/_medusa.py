@@ -99,7 +99,7 @@ class MedusaFeeder:
         self.sub: probe.Subscriber | None = None
 
     def connect(self, endpoint: str) -> None:
-        self.sub = probe.Subscriber(endpoint, self.sites)
+        self.sub = probe.Subscriber(endpoint, self.sites, live=True)  # each round needs the forward it follows
 
     def close(self) -> None:
         if self.sub is not None:

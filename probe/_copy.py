@@ -293,11 +293,12 @@ class CopyPath:
         else:
             np.take(rows, index, axis=0, out=dst)
 
-    def flush(self) -> None:
-        """Hand the step's small captures to ZeroMQ in one burst (at the step's end).
+    def flush(self, *, hold: bool = False) -> None:
+        """Hand the step's small captures to ZeroMQ in one burst (`hold`: at the step's end, where the publisher
+        may keep them for a later step's burst; see `Publisher.send_bundles`).
 
-        Each send that finds ZeroMQ's I/O thread asleep wakes it on another core: ~15 us
-        on the 2-core VM against ~3 us while it is awake. Sent as the layers finish, the
+        Each send that finds ZeroMQ's I/O thread asleep wakes it on another core: 60-96 us
+        on the 2-core VM against ~5 us while it is awake. Sent as the layers finish, the
         8 captures of a decode step woke it 8 times; in one burst, about once. Bundles that
         fill up mid-step (64 KiB: 4 captures of a batch-8 decode step at hidden 512) wait
         for the burst too: flushed where they filled, they woke the I/O thread mid-forward
@@ -305,16 +306,14 @@ class CopyPath:
         """
         if self._held:
             self._pack_held()
-        sealed = self._sealed
-        if sealed:
-            self._sealed = []
-            for buf, meta in sealed:
-                self.pub.send_bundle(buf, meta)
-        meta = self._meta
-        if meta:
-            buf = self._bundle
+        bundles = self._sealed
+        if self._meta:
+            bundles.append((self._bundle, self._meta))
             self._bundle, self._meta = bytearray(BUNDLE_TOPIC), []
-            self.pub.send_bundle(buf, meta)
+        if bundles:
+            self._sealed = []
+        if bundles or self.pub.held:
+            self.pub.send_bundles(bundles, hold=hold)
 
     def _slot(self, nbytes: int) -> tuple[int | None, np.ndarray | None]:
         """(ring offset or None for a one-off buffer, the bytes to fill); (None, None) to drop."""
@@ -389,8 +388,8 @@ class CopyPath:
         dst.copy_(rows, non_blocking=True)  # the model's stream: ordered after the layer, no record_stream needed
 
     def flush_device(self, block: bool) -> None:
-        """Send, in order, the device copies that have landed (all of them when `block`)."""
-        self.flush()
+        """Send, in order, the device copies that have landed (all of them when `block`; else at a step's end)."""
+        self.flush(hold=not block)
         if self._step_copies:  # one event marks every copy of the step
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._cuda_device))
@@ -410,7 +409,7 @@ class CopyPath:
     @property
     def queued(self) -> int:
         return (sum(len(c) for _, c in self._device) + len(self._step_copies) + len(self._meta) + len(self._held)
-                + sum(len(m) for _, m in self._sealed))
+                + sum(len(m) for _, m in self._sealed) + self.pub.held)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

@@ -36,7 +36,7 @@ from . import _discovery
 from ._arch import SiteError, resolve_arch
 from ._copy import CopyPath
 from ._hooks import Hooks
-from ._publisher import ZERO_COPY_MIN, Publisher
+from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
 from ._sites import expand_sites
 from ._subscriber import Subscriber
 from ._wire import PHASE_CODE, VERSION
@@ -51,8 +51,9 @@ class ProbeStats:
     published   handed to ZeroMQ (each subscriber reports what it missed after that:
                 `SubscriberStats.missed`)
     dropped     no room under best_effort, a failed copy, or refused after the stall limit
-    queued      staged and not yet sent: the running step's captures (sent at its end) and
-                device copies in flight (CUDA); 0 between steps on CPU and after close
+    queued      staged and not yet sent: the running step's captures (sent at its end), steps
+                held for a later send (no live subscriber; at most `max_delay` old while the model
+                steps, ~50 ms more once it stops) and device copies in flight (CUDA); 0 after close
     degraded    `complete` hit `stall_timeout` and stopped blocking on a full subscriber
     """
 
@@ -87,7 +88,8 @@ class ProbeSession:
 
     def __init__(self, model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None, policy: str,
                  capacity_bytes: int, run: str | None, sndhwm: int | None, allow_remote: bool,
-                 curve_secret_key: bytes | None, strip_finished: bool, stall_timeout: float | None) -> None:
+                 curve_secret_key: bytes | None, strip_finished: bool, stall_timeout: float | None,
+                 max_delay: float = MAX_DELAY_S) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.model = model
@@ -111,7 +113,8 @@ class ProbeSession:
         if sndhwm is None:  # small messages queued in ZeroMQ then stay within about capacity_bytes
             sndhwm = max(64, capacity_bytes // ZERO_COPY_MIN)
         self.publisher = Publisher(endpoint, run=self.run, policy=policy, sndhwm=sndhwm,
-                                   curve_secret_key=curve_secret_key, stall_timeout=stall_timeout)
+                                   curve_secret_key=curve_secret_key, stall_timeout=stall_timeout,
+                                   max_delay=max_delay)
         self._copy = CopyPath(self.publisher, run=self.run.encode(), capacity=capacity_bytes, cuda_device=cuda)
         self.ring = self._copy.ring
         stop = _stop_tokens(model) if strip_finished else np.empty(0, dtype=np.int64)
@@ -165,6 +168,7 @@ class ProbeSession:
         if self._paused is None:
             self._paused = sorted(self._hooks.active)
             self._hooks.change("remove", self._paused)
+            self.publisher.flush_held()  # nothing waits for a step that may not come soon
 
     def resume(self) -> None:
         """Put back the taps `pause()` took off."""
@@ -310,7 +314,7 @@ def _version() -> str:
 def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None = None, policy: str = "complete",
            capacity_bytes: int = 64 << 20, run: str | None = None, sndhwm: int | None = None,
            allow_remote: bool = False, curve_secret_key: bytes | None = None, strip_finished: bool = True,
-           stall_timeout: float | None = 60.0) -> ProbeSession:
+           stall_timeout: float | None = 60.0, max_delay: float = MAX_DELAY_S) -> ProbeSession:
     """Attach probes to `model` and start publishing; use as a context manager.
 
         with probe.attach(model, ["layers.*.resid_post", "logits"]) as s:
@@ -325,10 +329,13 @@ def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None
     capacity_bytes  staging memory bound for large captures (ZeroMQ's queue of small
                     ones holds at most sndhwm x 64 KiB; sndhwm defaults to capacity / 64 KiB).
     strip_finished  in decode, rows whose fed token is EOS/pad (finished in generate) are not published.
+    max_delay       seconds a decode step's small captures may wait to leave with later steps' (one
+                    wake-up of ZeroMQ's I/O thread per batch of steps) while no subscriber is live
+                    (`Subscriber(live=True)`); 0 sends every step at its end.
     """
     return ProbeSession(model, sites, endpoint=endpoint, policy=policy, capacity_bytes=capacity_bytes, run=run,
                         sndhwm=sndhwm, allow_remote=allow_remote, curve_secret_key=curve_secret_key,
-                        strip_finished=strip_finished, stall_timeout=stall_timeout)
+                        strip_finished=strip_finished, stall_timeout=stall_timeout, max_delay=max_delay)
 
 
 __all__ = ["ProbeSession", "ProbeStats", "attach", "SiteError"]

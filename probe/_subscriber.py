@@ -10,6 +10,11 @@ Frames are validated before anything is built; a malformed message is counted in
 `sub.stats` (by fixed category) and skipped, never raised. `Capture.tensor` is a view
 on the received ZeroMQ frame (no copy): it stays valid as long as the Capture or the
 tensor is referenced; `.clone()` it to keep a private copy.
+
+Latency: by default the session may hold a decode step's captures for up to its
+`max_delay` (50 ms) to send several steps at once, which costs the model less. A
+subscriber that acts on every token (a drafter, a controller) passes `live=True`: while
+one is connected, every step goes out at its end.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ._wire import (
     END_TOPIC,
     ERROR_KINDS,
     INFO_TOPIC,
+    LIVE_PRESENCE,
     PRESENCE,
     WireError,
     decode_control,
@@ -131,10 +137,12 @@ def _decode(frame0: memoryview, payload_frame: memoryview | None) -> Capture:
 
 
 class Subscriber:
-    """Connects to `endpoint` (or several) and yields `Capture`s for the requested sites (all by default)."""
+    """Connects to `endpoint` (or several) and yields `Capture`s for the requested sites (all by default);
+    `live=True` asks the session to send every step at its end (see the module docstring)."""
 
     def __init__(self, endpoint: str | list[str], sites: str | Iterable[str] | None = None, *, rcvhwm: int = 1000,
-                 curve_server_key: bytes | None = None, context: zmq.Context | None = None) -> None:
+                 curve_server_key: bytes | None = None, context: zmq.Context | None = None,
+                 live: bool = False) -> None:
         self.endpoint = endpoint
         self.matcher = SiteMatcher(sites)
         self.stats = SubscriberStats()
@@ -159,7 +167,9 @@ class Subscriber:
             self._sock.setsockopt(zmq.SUBSCRIBE, INFO_TOPIC)
             self._sock.setsockopt(zmq.SUBSCRIBE, END_TOPIC)
         # Subscribed last: once the publisher sees it, all topic filters above are in place.
-        self.presence = PRESENCE + uuid.uuid4().hex.encode()  # this subscriber's private topic
+        # A live one's tells the publisher to send every step at its end instead of holding steps for up to
+        # its max_delay (see `Publisher.send_bundles`).
+        self.presence = (LIVE_PRESENCE if live else PRESENCE) + uuid.uuid4().hex.encode()  # private topic
         self._sock.setsockopt(zmq.SUBSCRIBE, self.presence)
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         for e in endpoints:  # one per pipeline stage on vLLM

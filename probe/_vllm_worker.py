@@ -153,7 +153,7 @@ class VllmProbe:
 
     def __init__(self, worker: object, sites: list[str], *, endpoint: str | None, policy: str, run: str,
                  capacity_bytes: int, stall_timeout: float | None, model_name: str,
-                 io_cpus: list[int] | None = None) -> None:
+                 io_cpus: list[int] | None = None, max_delay: float = 0.05) -> None:
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         runner = worker.model_runner  # type: ignore[attr-defined]
@@ -189,7 +189,8 @@ class VllmProbe:
             endpoint = f"ipc://{self._ipc_dir}/bus"
         cpus = spare_cpus() if io_cpus is None else set(io_cpus) or None
         self.publisher = Publisher(endpoint, run=run, policy=policy, sndhwm=max(64, capacity_bytes // ZERO_COPY_MIN),
-                                   curve_secret_key=None, stall_timeout=stall_timeout, io_cpus=cpus)
+                                   curve_secret_key=None, stall_timeout=stall_timeout, io_cpus=cpus,
+                                   max_delay=max_delay)
         self.endpoint = self.publisher.endpoint
         self._copy = CopyPath(self.publisher, run=run.encode(), capacity=capacity_bytes,
                               cuda_device=None if runner.device.type == "cpu" else runner.device)
@@ -305,11 +306,11 @@ class VllmProbe:
     def stats(self) -> dict:
         if self.publisher is None:
             return {"captured": 0, "published": 0, "dropped": 0, "bytes": 0, "stall_seconds": 0.0,
-                    "subscribers": 0, "degraded": False, "publishing": False}
+                    "subscribers": 0, "degraded": False, "publishing": False, "queued": 0}
         pub, cp = self.publisher, self._copy
         return {"captured": cp.captured, "published": pub.published, "dropped": cp.dropped + pub.dropped,
                 "bytes": pub.bytes, "stall_seconds": pub.stall_seconds, "subscribers": len(pub.subscribers),
-                "degraded": pub.degraded, "publishing": True, "recomputed": self.recomputed}
+                "degraded": pub.degraded, "publishing": True, "recomputed": self.recomputed, "queued": cp.queued}
 
     def wait_for_subscribers(self, n: int, timeout: float | None) -> int:
         pub = self.publisher

@@ -80,6 +80,7 @@ DTYPE_NAME = {c: str(d).removeprefix("torch.") for c, d in DTYPES.items()}
 
 CONTROL = b"\x00probebus/"  # every control topic starts here; no site name can
 PRESENCE = CONTROL + b"subscriber/"  # + a subscriber's uuid: subscribed to, never published on
+LIVE_PRESENCE = PRESENCE + b"live/"  # + uuid: a subscriber that needs every step at its end (no holding)
 INFO_TOPIC = CONTROL + b"info "
 END_TOPIC = CONTROL + b"end "
 BUNDLE_TOPIC = CONTROL + b"bundle "

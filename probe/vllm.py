@@ -43,7 +43,7 @@ class WorkerExtension:
 
     def probebus_attach(self, sites: list[str], endpoint: str | None, policy: str, run: str,
                         capacity_bytes: int, stall_timeout: float | None, model_name: str,
-                        io_cpus: list[int] | None = None) -> dict:
+                        io_cpus: list[int] | None = None, max_delay: float = 0.05) -> dict:
         from ._sites import expand_sites
         from ._vllm_worker import VllmArch, VllmProbe
 
@@ -52,7 +52,8 @@ class WorkerExtension:
         arch = VllmArch(self.model_runner.get_model())  # type: ignore[attr-defined]
         wanted = expand_sites(_SiteView(arch), sites)
         probe = VllmProbe(self, wanted, endpoint=endpoint, policy=policy, run=run, capacity_bytes=capacity_bytes,
-                          stall_timeout=stall_timeout, model_name=model_name, io_cpus=io_cpus)
+                          stall_timeout=stall_timeout, model_name=model_name, io_cpus=io_cpus,
+                          max_delay=max_delay)
         self._probebus = probe
         return {"endpoint": probe.endpoint, "sites": probe.sites, "tp_rank": probe.tp_rank,
                 "pp_rank": probe.pp_rank, "publishing": probe.publishing}
@@ -63,7 +64,7 @@ class WorkerExtension:
         a = json.loads(spec)
         return self.probebus_attach(a["sites"], a.get("endpoint"), a.get("policy", "complete"), a["run"],
                                     int(a.get("capacity_bytes", 64 << 20)), a.get("stall_timeout", 60.0),
-                                    a.get("model_name", ""), a.get("io_cpus"))
+                                    a.get("model_name", ""), a.get("io_cpus"), float(a.get("max_delay", 0.05)))
 
     def probebus_detach(self, timeout: float = 30.0) -> dict:
         probe = getattr(self, "_probebus", None)
@@ -187,7 +188,7 @@ def _sum_stats(items: list[dict]) -> ProbeStats:
         dropped=sum(s["dropped"] for s in pub), bytes=sum(s["bytes"] for s in pub),
         stall_seconds=sum(s["stall_seconds"] for s in pub), subscribers=min((s["subscribers"] for s in pub),
                                                                            default=0),
-        degraded=any(s["degraded"] for s in pub))
+        queued=sum(s.get("queued", 0) for s in pub), degraded=any(s["degraded"] for s in pub))
 
 
 def _rpc_of(llm: Any) -> Any:
@@ -215,7 +216,8 @@ class HttpEngine:
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         if method == "probebus_attach":  # the route passes strings only
-            keys = ("sites", "endpoint", "policy", "run", "capacity_bytes", "stall_timeout", "model_name", "io_cpus")
+            keys = ("sites", "endpoint", "policy", "run", "capacity_bytes", "stall_timeout", "model_name", "io_cpus",
+                    "max_delay")
             method, args = "probebus_attach_json", (json.dumps(dict(zip(keys, args, strict=True))),)
         elif method in ("probebus_detach", "probebus_wait_for_subscribers"):
             args = ()  # defaults on the worker side (strings would not do for numbers)
@@ -239,13 +241,14 @@ class HttpEngine:
 
 def attach(llm: Any, sites: str | Iterable[str], *, endpoint: str | None = None, policy: str = "complete",
            capacity_bytes: int = 64 << 20, stall_timeout: float | None = 60.0, run: str | None = None,
-           io_cpus: Iterable[int] | None = None) -> VllmSession:
+           io_cpus: Iterable[int] | None = None, max_delay: float = 0.05) -> VllmSession:
     """Attach probes to every worker of a running vLLM engine (an `LLM`, or anything with
     `collective_rpc(method, args=...)`); see `probe.attach` for the other arguments.
 
     `io_cpus`: the cores for the bus's background threads (ZeroMQ's I/O thread and the control
     thread) in each worker. By default, the cores the engine may use but the worker is not bound
-    to (a CPU worker binds itself to VLLM_CPU_OMP_THREADS_BIND); `[]` leaves them on the worker's."""
+    to (a CPU worker binds itself to VLLM_CPU_OMP_THREADS_BIND); `[]` leaves them on the worker's.
+    `max_delay`: as in `probe.attach` (steps held for a later send while no subscriber is live)."""
     from ._vllm_worker import new_run
 
     if policy not in POLICIES:
@@ -255,7 +258,8 @@ def attach(llm: Any, sites: str | Iterable[str], *, endpoint: str | None = None,
     rpc = _rpc_of(llm)
     model = _model_name(llm)
     cpus = None if io_cpus is None else sorted(int(c) for c in io_cpus)
-    results = rpc("probebus_attach", names, endpoint, policy, run, capacity_bytes, stall_timeout, model, cpus)
+    results = rpc("probebus_attach", names, endpoint, policy, run, capacity_bytes, stall_timeout, model, cpus,
+                  max_delay)
     return VllmSession(rpc, results, run=run, policy=policy)
 
 

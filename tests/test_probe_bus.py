@@ -180,6 +180,7 @@ def test_pause_takes_the_taps_off_without_changing_the_announced_sites() -> None
         with torch.no_grad():
             model(ids)
             session.pause()
+            assert session.stats.queued == 0  # a pause sends what was held: no step may come for a while
             assert session.paused and session.sites == ["layers.0.resid_post"]
             assert not tapped(layer) and layer.forward.__func__ is plain_forward
             assert [s.sites for s in probe.live_sessions() if s.endpoint == session.endpoint] == [session.sites]
@@ -192,7 +193,7 @@ def test_pause_takes_the_taps_off_without_changing_the_announced_sites() -> None
             session.add("layers.1.mlp_out")  # a change of sites resumes, with the new list
             assert not session.paused and session.sites == ["layers.0.resid_post", "layers.1.mlp_out"]
             model(ids)
-        stats = session.stats
+    stats = session.stats
     caps = list(sub.iter(idle_timeout=1.0))
     # paused forwards are not seen at all: the step count goes on from the last observed one
     assert sorted((c.step, c.site) for c in caps) == [(1, "layers.0.resid_post"), (2, "layers.0.resid_post"),
@@ -290,11 +291,12 @@ def test_views_with_an_offset_or_strides_are_captured_as_their_own_values() -> N
 
 def test_a_steps_small_captures_leave_together_at_its_end_even_past_one_bundle() -> None:
     """Small captures that fill more than one 64 KiB bundle wait for the step's end too: a send mid-forward
-    wakes ZeroMQ's I/O thread while the model computes. All arrive, in order, exactly once."""
+    wakes ZeroMQ's I/O thread while the model computes. All arrive, in order, exactly once. (A live subscriber:
+    else the step's end may hold them for later steps' send.)"""
     model = build("llama", layers=3)  # 6 sites x 100 tokens x 64 x 4 B = 25 KiB each: 3 bundles per step
     seen: list[int] = []
     with probe.attach(model, ["layers.*.resid_post", "layers.*.mlp_out"]) as session:
-        sub = probe.Subscriber(session.endpoint)
+        sub = probe.Subscriber(session.endpoint, live=True)
         session.wait_for(sub, timeout=10)
         h = model.model.norm.register_forward_hook(lambda m, a, o: seen.append(session.stats.published))
         with torch.no_grad():
@@ -326,7 +328,7 @@ def test_bundles_only_while_nobody_filters_and_every_subscriber_gets_exactly_its
 
     model = build("llama")
     sites = [f"layers.{i}.resid_post" for i in range(model.config.num_hidden_layers)]
-    with probe.attach(model, "layers.*.resid_post") as session:
+    with probe.attach(model, "layers.*.resid_post", max_delay=0) as session:  # every step at its end
         raw = zmq.Context.instance().socket(zmq.SUB)  # counts the messages on the wire
         raw.setsockopt(zmq.SUBSCRIBE, b"")
         raw.connect(session.endpoint)

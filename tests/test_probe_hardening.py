@@ -57,7 +57,8 @@ def _forward(model: torch.nn.Module, n: int, seq: int = 8) -> None:
 def test_best_effort_stalled_subscriber_does_not_starve_a_healthy_one(tmp_path: Path) -> None:
     model = build("llama")
     n_layers = model.config.num_hidden_layers
-    with probe.attach(model, "layers.*.resid_post", policy="best_effort", sndhwm=64) as session:
+    # max_delay=0: a message per step, so that the stalled pipe fills (held steps would go 64 KiB at a time)
+    with probe.attach(model, "layers.*.resid_post", policy="best_effort", sndhwm=64, max_delay=0) as session:
         stalled = _reader(session.endpoint, tmp_path / "stalled.json", "late", rcvhwm=4)
         healthy = _reader(session.endpoint, tmp_path / "healthy.json", "read")
         session.wait_for_subscribers(2, timeout=30)
@@ -88,7 +89,8 @@ def test_complete_stall_timeout_degrades_and_counters_hold(tmp_path: Path) -> No
     seen: list[float] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with probe.attach(model, "layers.*.resid_post", policy="complete", sndhwm=64, stall_timeout=1.0) as session:
+        with probe.attach(model, "layers.*.resid_post", policy="complete", sndhwm=64, stall_timeout=1.0,
+                          max_delay=0) as session:  # a message per step, so that the stalled pipe fills
             stalled = _reader(session.endpoint, tmp_path / "stalled.json", "stall", rcvhwm=2)
             healthy = _reader(session.endpoint, tmp_path / "healthy.json", "read")
             session.wait_for_subscribers(2, timeout=30)
@@ -253,7 +255,8 @@ def test_recv_timeout_is_a_deadline() -> None:
 
 def test_session_info_reaches_late_joiners_and_live_sessions_lists_it(tmp_path: Path) -> None:
     model = build("qwen2")
-    with probe.attach(model, "layers.0.resid_post") as session:
+    # max_delay=0: the three steps before the late joiner are published before it joins, not held for later
+    with probe.attach(model, "layers.0.resid_post", max_delay=0) as session:
         listed = {s.run: s for s in probe.live_sessions()}
         assert session.run in listed and listed[session.run].endpoint == session.endpoint
         _forward(model, 3)

@@ -1,0 +1,86 @@
+"""Steps held for a later send (`max_delay`) while no subscriber is live, and live subscribers that switch it off."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import zmq
+from models import build
+
+import probe
+
+
+def _forward(model: torch.nn.Module, n: int) -> None:
+    with torch.no_grad():
+        for _ in range(n):
+            model(torch.tensor([[5, 6, 7, 8]]))
+
+
+def _data_messages(sock: zmq.Socket) -> list[list[bytes]]:
+    out = []
+    while sock.poll(200):
+        msg = sock.recv_multipart()
+        if not msg[0].startswith((b"\x00probebus/info", b"\x00probebus/end")):
+            out.append(msg)
+    return out
+
+
+def test_steps_are_held_and_leave_together_once_max_delay_old_with_no_further_step() -> None:
+    """Without a live subscriber a step's captures wait for later steps' (one send, one bundle), and a model that
+    stops stepping strands nothing: the control thread sends them once the oldest is max_delay old, in order."""
+    model = build("llama")
+    n = model.config.num_hidden_layers
+    with probe.attach(model, "layers.*.resid_post", max_delay=1.0) as session:
+        raw = zmq.Context.instance().socket(zmq.SUB)  # counts the messages on the wire
+        raw.setsockopt(zmq.SUBSCRIBE, b"")
+        raw.connect(session.endpoint)
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for(sub, timeout=10)
+        time.sleep(0.2)  # the raw socket's subscription is in place too
+        t0 = time.monotonic()
+        _forward(model, 4)
+        stats = session.stats
+        assert stats.captured == 4 * n and stats.published == 0 and stats.queued == 4 * n
+        caps = []
+        while len(caps) < 4 * n:
+            cap = sub.recv(timeout=5)
+            assert cap is not None, f"only {len(caps)} of {4 * n} arrived"
+            caps.append(cap)
+        arrived = time.monotonic() - t0
+        assert 1.0 <= arrived < 4.0, arrived  # not before max_delay; within a control tick or so after it
+        assert [(c.step, c.site) for c in caps] == [(s, f"layers.{i}.resid_post") for s in range(1, 5)
+                                                    for i in range(n)]
+        assert session.stats.queued == 0 and session.stats.published == 4 * n
+        msgs = _data_messages(raw)
+        assert len(msgs) == 1 and msgs[0][0].startswith(b"\x00probebus/bundle"), len(msgs)  # 4 steps, one send
+    assert sub.stats.missed == 0
+
+
+def test_a_live_subscriber_gets_every_step_at_its_end_and_holding_resumes_when_it_leaves() -> None:
+    model = build("llama")
+    n = model.config.num_hidden_layers
+    with probe.attach(model, "layers.*.resid_post", max_delay=60.0) as session:
+        everything = probe.Subscriber(session.endpoint)
+        session.wait_for(everything, timeout=10)
+        _forward(model, 1)
+        assert session.stats.queued == n  # held: nobody is live
+        live = probe.Subscriber(session.endpoint, live=True)
+        session.wait_for(live, timeout=10)
+        assert session.publisher.live
+        _forward(model, 2)  # the held step goes out first, then each step at its end
+        assert session.stats.queued == 0 and session.stats.published == 3 * n
+        got = [live.recv(timeout=5) for _ in range(3 * n)]  # step 1 too: it was still held when this one joined
+        assert [(c.step, c.site) for c in got] == [(s, f"layers.{i}.resid_post") for s in (1, 2, 3) for i in range(n)]
+        live.close()
+        for _ in range(500):  # its unsubscription reaches the publisher at a step end or an idle tick
+            session.publisher.step_done()
+            if not session.publisher.live:
+                break
+            time.sleep(0.01)
+        assert not session.publisher.live
+        _forward(model, 1)
+        assert session.stats.queued == n  # held again
+    caps = list(everything.iter(idle_timeout=5))
+    assert [(c.step, c.site) for c in caps] == [(s, f"layers.{i}.resid_post") for s in range(1, 5) for i in range(n)]
+    assert everything.ended and everything.stats.missed == 0
