@@ -140,7 +140,8 @@ def run_once(model, lm, ids: torch.Tensor, mode: str, endpoints: dict[str, str],
             for h in hs:
                 h.remove()
         elif mode == "probebus":
-            with probe.attach(model, "layers.*.resid_post", endpoint=endpoints["probebus"]) as session:
+            with probe.attach(model, "layers.*.resid_post", endpoint=endpoints["probebus"],
+                              max_delay=ARGS.max_delay) as session:
                 session.wait_for_subscribers(1, timeout=30)
                 with model_core(pinned):
                     model.generate(ids, attention_mask=mask, **kw)
@@ -322,7 +323,8 @@ def _one_throughput(mode: str, batch: int, seq: int, hidden: int, count: int) ->
     args = [str(warm), str(count)]
     if mode == "probebus":
         model = Echo()
-        with probe.attach(model, "layers.*.resid_post", endpoint="tcp://127.0.0.1:*") as session:
+        with probe.attach(model, "layers.*.resid_post", endpoint="tcp://127.0.0.1:*",
+                          max_delay=ARGS.max_delay) as session:
             child = subprocess.Popen([sys.executable, "-c", RECV, mode, session.endpoint, *args],
                                      stdout=subprocess.PIPE, text=True)
             assert child.stdout is not None and child.stdout.readline().strip() == "ready"
@@ -396,6 +398,9 @@ if __name__ == "__main__":
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens generated per run (default: %(default)s)")
     ap.add_argument("--port", type=int, default=47810, help="TCP port of the naive baseline")
     ap.add_argument("--skip-decode", action="store_true", help="only the bus throughput")
+    ap.add_argument("--max-delay", type=float, default=0.05,
+                    help="probebus's max_delay: steps held for one send while no subscriber is live; 0 sends "
+                         "every step at its end (default: %(default)s, as probe.attach)")
     ap.add_argument("--skip-bus", action="store_true", help="only the decode overhead")
     ARGS = ap.parse_args()
     if "plain" not in ARGS.modes:
