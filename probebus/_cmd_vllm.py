@@ -30,6 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=["complete", "best_effort"], default="best_effort",
                    help="complete: the server waits for slow subscribers; best_effort (default for a server): "
                    "it never waits, slow subscribers lose messages")
+    p.add_argument("--max-delay", type=float, default=0.05, metavar="SECONDS",
+                   help="while no subscriber is live, a decode step's captures may wait this long to leave with "
+                        "later steps' in one send (fewer wake-ups of the bus on the model's thread); 0 sends every "
+                        "step at its end (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_attach)
     d = sub.add_parser("detach", help="remove the probes from a vLLM server",
@@ -49,7 +53,7 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             print("\n".join(probe.vllm.list_sites(engine)))
             return 0
         session = probe.vllm.attach(engine, [s.strip() for s in args.sites.split(",") if s.strip()],
-                                    endpoint=args.endpoint, policy=args.policy)
+                                    endpoint=args.endpoint, policy=args.policy, max_delay=args.max_delay)
     except (RuntimeError, probe.SiteError, AttributeError) as exc:
         print(f"probebus attach: {exc}", file=sys.stderr)
         return 2
