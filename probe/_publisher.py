@@ -33,7 +33,9 @@ this 2-core VM that costs the model's thread 60-96 us (4-5 us back to back): onc
 batch of steps instead of once per step. A recorder or a live view loses nothing by it: the
 control thread sends what is held once it is `max_delay` old, so a model that stops
 stepping strands nothing for longer than ~max_delay + 50 ms, and `close()` sends all of it
-before the end of stream. A live subscriber's presence switches holding off at once.
+before the end of stream. A live subscriber's presence switches holding off from the
+step at which the model's thread reads it (it reads subscriptions every 25 ms of steps;
+`wait_for_subscribers` reads them at once).
 
 Subscribers announce themselves with a private presence topic (counted by
 `wait_for_subscribers`); each new one triggers the session-info broadcast. The model's
