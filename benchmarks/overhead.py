@@ -13,7 +13,10 @@ Placements:
 Modes (all in the same process, interleaved in rotating order, fresh per run):
   plain     generate with nothing attached (the baseline)
   empty     a forward hook per site that does nothing (the dispatch floor)
-  probebus  probe.attach on the sites, a Subscriber process draining everything
+  probebus  probe.attach on the sites, a Subscriber process draining everything (not live: the
+            session may hold steps up to its max_delay to send them together)
+  probebus-live  the same with a live Subscriber (`live=True`, as a drafter): every step's
+            captures leave at its end
   naive     hooks that clone and send synchronously with pyzmq, a SUB process draining
   nnsight   nnsight's generate, saving every site at every step (tracer.all())
 Decode throughput excludes the prefill: a streamer timestamps every new token.
@@ -47,9 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DRAIN = textwrap.dedent("""
     import sys, zmq, probe
     mode, endpoint = sys.argv[1], sys.argv[2]
-    if mode == "probebus":          # one Subscriber per session; it ends at end-of-stream
+    if mode.startswith("probebus"):  # one Subscriber per session; it ends at end-of-stream
         while True:
-            sub = probe.Subscriber(endpoint)
+            sub = probe.Subscriber(endpoint, live=mode == "probebus-live")
             for cap in sub:
                 pass
             sub.close()
@@ -139,8 +142,8 @@ def run_once(model, lm, ids: torch.Tensor, mode: str, endpoints: dict[str, str],
                 model.generate(ids, attention_mask=mask, **kw)
             for h in hs:
                 h.remove()
-        elif mode == "probebus":
-            with probe.attach(model, "layers.*.resid_post", endpoint=endpoints["probebus"],
+        elif mode in ("probebus", "probebus-live"):
+            with probe.attach(model, "layers.*.resid_post", endpoint=endpoints[mode],
                               max_delay=ARGS.max_delay) as session:
                 session.wait_for_subscribers(1, timeout=30)
                 with model_core(pinned):
@@ -182,7 +185,9 @@ def decode_overhead(placement: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             lm = LanguageModel(model, tokenizer=AutoTokenizer.from_pretrained(ROOT / "probebus/models/default"))
-    endpoints = {"probebus": f"ipc:///tmp/probebus-bench-{os.getpid()}", "naive": f"tcp://127.0.0.1:{ARGS.port}"}
+    endpoints = {"probebus": f"ipc:///tmp/probebus-bench-{os.getpid()}", "naive": f"tcp://127.0.0.1:{ARGS.port}",
+                 "probebus-live": f"ipc:///tmp/probebus-bench-live-{os.getpid()}"}
+    endpoints = {m: e for m, e in endpoints.items() if m in modes}
     children = [subprocess.Popen([sys.executable, "-c", DRAIN, m, e]) for m, e in endpoints.items()]
     zmq.Context.instance().socket(zmq.PAIR).close()  # ZeroMQ's global I/O thread starts here, on the other cores
     print(f"\n## placement {placement}: model thread on core{'s' if not pinned else ''} "
@@ -215,10 +220,10 @@ def report(batch: int, tok_s: dict[str, list[float]]) -> None:
         slow[m] = 100 * (1 - med / base)
         # each run's slowdown against the plain run of the same round: the spread the VM's drift allows
         pairs = [100 * (1 - a / b) for a, b in zip(v, tok_s["plain"], strict=True)]
-        print(f"  {m:9s} {med:8.1f} tok/s [{min(v):7.1f}..{max(v):7.1f}]  slowdown {slow[m]:+6.1f} %"
+        print(f"  {m:13s} {med:8.1f} tok/s [{min(v):7.1f}..{max(v):7.1f}]  slowdown {slow[m]:+6.1f} %"
               + ("" if m == "plain" else f"   per-round [{min(pairs):+5.1f}..{max(pairs):+5.1f}] %"))
     if "probebus" in slow:
-        others = ", ".join(f"{m} {slow[m]:+.1f} %" for m in ("naive", "nnsight") if m in slow)
+        others = ", ".join(f"{m} {slow[m]:+.1f} %" for m in ("probebus-live", "naive", "nnsight") if m in slow)
         print(f"  -> probebus {slow['probebus']:+.1f} % vs {others}")
 
 
@@ -390,8 +395,8 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds per mode (default: %(default)s)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (default: 1 8)")
     ap.add_argument("--placements", nargs="+", default=["model-core", "shared"], choices=["model-core", "shared"])
-    ap.add_argument("--modes", nargs="+", default=["plain", "empty", "probebus", "naive", "nnsight"],
-                    choices=["plain", "empty", "probebus", "naive", "nnsight"])
+    ap.add_argument("--modes", nargs="+", default=["plain", "empty", "probebus", "probebus-live", "naive", "nnsight"],
+                    choices=["plain", "empty", "probebus", "probebus-live", "naive", "nnsight"])
     ap.add_argument("--hidden", type=int, default=512, help="model width (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers (default: %(default)s)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (default: %(default)s)")
