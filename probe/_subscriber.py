@@ -167,8 +167,8 @@ class Subscriber:
             self._sock.setsockopt(zmq.SUBSCRIBE, INFO_TOPIC)
             self._sock.setsockopt(zmq.SUBSCRIBE, END_TOPIC)
         # Subscribed last: once the publisher sees it, all topic filters above are in place.
-        # A live one's tells the publisher to send every step at its end instead of holding steps for up to
-        # its max_delay (see `Publisher.send_bundles`).
+        # A live subscriber's presence topic tells the publisher to send every step at its end instead of
+        # holding steps for up to its max_delay (see `Publisher.send_bundles`).
         self.presence = (LIVE_PRESENCE if live else PRESENCE) + uuid.uuid4().hex.encode()  # private topic
         self._sock.setsockopt(zmq.SUBSCRIBE, self.presence)
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)

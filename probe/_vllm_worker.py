@@ -54,7 +54,7 @@ from ._arch import LAYER_SITES, ArchitectureError, SiteError
 from ._copy import CopyPath, SiteKey
 from ._hooks import tap
 from ._identity import DECODE, PREFILL, StepIdentity
-from ._publisher import ZERO_COPY_MIN, Publisher, parent_cpus
+from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher, parent_cpus
 from ._sites import site_layer
 from ._wire import VERSION
 
@@ -153,7 +153,7 @@ class VllmProbe:
 
     def __init__(self, worker: object, sites: list[str], *, endpoint: str | None, policy: str, run: str,
                  capacity_bytes: int, stall_timeout: float | None, model_name: str,
-                 io_cpus: list[int] | None = None, max_delay: float = 0.05) -> None:
+                 io_cpus: list[int] | None = None, max_delay: float = MAX_DELAY_S) -> None:
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         runner = worker.model_runner  # type: ignore[attr-defined]

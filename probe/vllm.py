@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
+from ._publisher import MAX_DELAY_S
 from ._session import POLICIES, ProbeStats
 from ._subscriber import Subscriber
 
@@ -43,7 +44,7 @@ class WorkerExtension:
 
     def probebus_attach(self, sites: list[str], endpoint: str | None, policy: str, run: str,
                         capacity_bytes: int, stall_timeout: float | None, model_name: str,
-                        io_cpus: list[int] | None = None, max_delay: float = 0.05) -> dict:
+                        io_cpus: list[int] | None = None, max_delay: float = MAX_DELAY_S) -> dict:
         from ._sites import expand_sites
         from ._vllm_worker import VllmArch, VllmProbe
 
@@ -64,7 +65,7 @@ class WorkerExtension:
         a = json.loads(spec)
         return self.probebus_attach(a["sites"], a.get("endpoint"), a.get("policy", "complete"), a["run"],
                                     int(a.get("capacity_bytes", 64 << 20)), a.get("stall_timeout", 60.0),
-                                    a.get("model_name", ""), a.get("io_cpus"), float(a.get("max_delay", 0.05)))
+                                    a.get("model_name", ""), a.get("io_cpus"), float(a.get("max_delay", MAX_DELAY_S)))
 
     def probebus_detach(self, timeout: float = 30.0) -> dict:
         probe = getattr(self, "_probebus", None)
@@ -241,7 +242,7 @@ class HttpEngine:
 
 def attach(llm: Any, sites: str | Iterable[str], *, endpoint: str | None = None, policy: str = "complete",
            capacity_bytes: int = 64 << 20, stall_timeout: float | None = 60.0, run: str | None = None,
-           io_cpus: Iterable[int] | None = None, max_delay: float = 0.05) -> VllmSession:
+           io_cpus: Iterable[int] | None = None, max_delay: float = MAX_DELAY_S) -> VllmSession:
     """Attach probes to every worker of a running vLLM engine (an `LLM`, or anything with
     `collective_rpc(method, args=...)`); see `probe.attach` for the other arguments.
 
