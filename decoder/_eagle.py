@@ -312,6 +312,19 @@ class FastStep:
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, cache: DraftCache,
                  span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.body(hidden, next_ids, positions, cache, span)
+        return (h, *self.head(h))
+
+    @torch.no_grad()
+    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed output, draft logits) of the layer's output h."""
+        hn = self._norm(h, 3)
+        return hn, F.linear(hn, self.lm)
+
+    @torch.no_grad()
+    def body(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, cache: DraftCache,
+             span: int) -> torch.Tensor:
+        """The layer's output (pre-norm, fed back as the next step's hidden) at every input position."""
         if span > self.cos.shape[0]:
             raise ValueError(f"position {span - 1} is beyond the drafter's max_position_embeddings "
                              f"{self.cos.shape[0]}")
@@ -328,9 +341,18 @@ class FastStep:
         q = q.view(b, s, self.nh, self.hd).transpose(1, 2)
         k = k.view(b, s, self.nkv, self.hd).transpose(1, 2)
         v = v.view(b, s, self.nkv, self.hd).transpose(1, 2)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        if b == 1 and s == 1:  # int indices: views and copies instead of gathers and index_put
+            at = int(positions[0, 0])
+            cos, sin = self.cos[at], self.sin[at]
+        else:
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        if s == 1:
+        if b == 1 and s == 1:
+            cache.k[0, :, at] = k[0, :, 0]
+            cache.v[0, :, at] = v[0, :, 0]
+            cache.valid[0, at] = True
+            mask = cache.valid[:, None, None, :span]
+        elif s == 1:
             rows = torch.arange(b, device=positions.device)
             at = positions[:, 0]
             cache.k[rows, :, at] = k[:, :, 0]
@@ -348,6 +370,4 @@ class FastStep:
                                              enable_gqa=True)
         h = residual + F.linear(out.transpose(1, 2).reshape(b, s, -1), self.wo)
         gate, up = F.linear(self._norm(h, 2), self.wgu).split(self.inter, -1)
-        h = h + F.linear(F.silu(gate) * up, self.wd)
-        hn = self._norm(h, 3)
-        return h, hn, F.linear(hn, self.lm)
+        return h + F.linear(F.silu(gate) * up, self.wd)

@@ -123,6 +123,8 @@ class EagleFeeder:
                       remap: tuple[int, torch.Tensor] | None = None) -> None:
         h = self.drafter.config.target_hidden_size
         got: set[str] = set()
+        one = start.shape[0] == 1 and remap is None  # batch 1: slices instead of masks and index tensors
+        s, e = (int(start[0]), int(end[0])) if one else (0, 0)
         while len(got) < len(self.sites):
             cap = self.sub.recv(timeout=30)
             if cap is None:
@@ -135,18 +137,36 @@ class EagleFeeder:
             got.add(cap.site)
             if self.seq_base is None:
                 self.seq_base = int(cap.seq_ids.min())
+            i = self._slot[cap.site]
+            if one and self._copy_run(cap, s, e, i * h, (i + 1) * h):
+                continue
             r = cap.seq_ids - self.seq_base
             pos = tree_positions(cap.positions, remap)
             keep = (pos >= start[r]) & (pos <= end[r])
-            i = self._slot[cap.site]
             src = cap.tensor[keep]
             self.feats[r[keep], pos[keep], i * h:(i + 1) * h] = src.to(self.feats.dtype)
+
+    def _copy_run(self, cap: probe.Capture, s: int, e: int, c0: int, c1: int) -> bool:
+        """Batch 1: copy the capture's rows at positions s..e into columns c0:c1 of the features as one slice,
+        if its rows are one sequence at consecutive positions (a verify or prefill forward); False otherwise
+        (the masked copy then handles it). A third of a round's feature intake at batch 1 went to the masks
+        and index tensors of the general copy."""
+        pos = cap.positions.tolist()
+        n = len(pos)
+        if not n or pos != list(range(pos[0], pos[0] + n)) or cap.seq_ids.tolist().count(self.seq_base) != n:
+            return False
+        lo, hi = max(s - pos[0], 0), min(e - pos[0], n - 1)
+        if hi >= lo:
+            self.feats[0, pos[0] + lo: pos[0] + hi + 1, c0:c1] = cap.tensor[lo: hi + 1]
+        return True
 
     @torch.no_grad()
     def _catch_up(self, toks: torch.Tensor) -> None:
         """Run the drafter over every collected position not yet run; keep the last one's outputs."""
         start, end = self.lo, self.hi
         b = start.shape[0]
+        if b == 1:
+            return self._catch_up_one(toks, int(start[0]), int(end[0]))
         span = int((end - start).max()) + 1
         pos = torch.minimum(start[:, None] + torch.arange(span), end[:, None])  # ragged rows repeat their last
         rows = torch.arange(b)[:, None]
@@ -155,15 +175,33 @@ class EagleFeeder:
         self.cache.truncate(start if self.fed_end is None else torch.minimum(start, self.fed_end + 1))
         d = self.drafter
         dev = self.feats.device
-        h, hn, logits = self._step(d.fuse(self.feats[rows, pos]), toks[rows, pos + 1].to(dev), pos.to(dev),
-                                   self.cache, int(end.max()) + 1)
         pick = (end - start).to(dev)[:, None, None]
-        self.h = h.gather(1, pick.expand(b, 1, h.shape[-1]))
-        self.hn = hn.gather(1, pick.expand(b, 1, hn.shape[-1]))
-        self.logits = logits.gather(1, pick.expand(b, 1, logits.shape[-1]))
+        self._run_to(d.fuse(self.feats[rows, pos]), toks[rows, pos + 1].to(dev), pos.to(dev), int(end.max()) + 1,
+                     lambda x: x.gather(1, pick.expand(b, 1, x.shape[-1])))
         self.fed_end = end
         self.lo = None
         self.ready = True
+
+    def _catch_up_one(self, toks: torch.Tensor, s: int, e: int) -> None:
+        """`_catch_up` at batch 1: positions s..e as slices, the cache truncated as one slice."""
+        self.cache.valid[0, s if self.fed_end is None else min(s, int(self.fed_end[0]) + 1):] = False
+        dev = self.feats.device
+        pos = torch.arange(s, e + 1, device=dev)[None]
+        self._run_to(self.drafter.fuse(self.feats[:, s: e + 1]), toks[:, s + 1: e + 2].to(dev), pos, e + 1,
+                     lambda x: x[:, -1:])
+        self.fed_end = torch.tensor([e])
+        self.lo = None
+        self.ready = True
+
+    def _run_to(self, hidden: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, span: int, pick) -> None:  # noqa: ANN001
+        """Run the drafter over the positions and keep `pick`'s position per row (the newest) as the state
+        drafting starts from. A step with a separate head (EAGLE-3's) runs its norm and LM head only there."""
+        body = getattr(self._step, "body", None)
+        if body is not None:
+            self.h = pick(body(hidden, ids, pos, self.cache, span))
+            self.hn, self.logits = self._step.head(self.h)
+        else:
+            self.h, self.hn, self.logits = (pick(x) for x in self._step(hidden, ids, pos, self.cache, span))
 
     # --- drafts out --------------------------------------------------------------------
     def absorb(self, feeds: list[Feed], toks: torch.Tensor, run: bool = True) -> float:
