@@ -256,7 +256,8 @@ def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float
 
 
 def per_round(stats: list) -> str:
-    """Mean milliseconds per round spent drafting and verifying (the loop's own clocks), or '-' for baselines."""
+    """Mean milliseconds per round spent drafting and verifying (the loop's own clocks; the prefill and a handed-over
+    rest are not rounds), or '-' for baselines."""
     rounds = sum(s.rounds for s in stats)
     if not rounds:
         return "-"

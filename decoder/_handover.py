@@ -109,4 +109,4 @@ def hand_over(spec: SpeculativeDecoder, run: Run) -> None:
         st.row_rounds += len(keep)
     st.plain_rounds += steps
     st.target_forwards += steps
-    st.verify_s += time.perf_counter() - t0
+    st.handover_s += time.perf_counter() - t0

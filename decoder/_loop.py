@@ -308,7 +308,7 @@ class SpeculativeDecoder:
                                  cache=run.cache, use_cache=True).logits[:, -1]
         first = self._choose(run, logits).tolist()
         run.start(first)
-        run.stats.verify_s += time.perf_counter() - tv
+        run.stats.prefill_s += time.perf_counter() - tv
         run.stats.target_forwards += 1
         run.stats.emitted = run.b
         if self.feeder is not None and self._capturing:

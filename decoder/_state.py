@@ -36,8 +36,10 @@ class SpecStats:
     delegated: bool = False  # the call ran as the target's own `generate` (drafting measured not to pay)
     handed_over: int = 0  # tokens the target's own `generate` decoded after the call measured itself losing
     seconds: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    draft_s: float = 0.0  # the rounds' drafting (scheduling included)
+    verify_s: float = 0.0  # the rounds' target forwards, acceptance and bookkeeping (a delegated call: all of it)
+    prefill_s: float = 0.0  # the prompt's forward
+    handover_s: float = 0.0  # the target's own `generate` after the call handed its rest over
     bus_s: float = 0.0
     # per round: verify length, active rows, drafts offered, drafts accepted, EAGLE-3 drafts made
     history: list[tuple[int, int, int, int, int]] = field(default_factory=list)
@@ -68,7 +70,8 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         keys = ("batch", "rounds", "target_forwards", "emitted", "drafted", "accepted", "eagle_rounds",
-                "ngram_rounds", "plain_rounds", "tree_rounds", "seconds", "draft_s", "verify_s", "bus_s")
+                "ngram_rounds", "plain_rounds", "tree_rounds", "seconds", "draft_s", "verify_s", "prefill_s",
+                "handover_s", "bus_s")
         d = {k: getattr(self, k) for k in keys}
         d.update(tau=self.tau, tau_drafted=self.tau_drafted, tokens_per_forward=self.tokens_per_forward,
                  tokens_per_s=self.tokens_per_s, acceptance=self.acceptance, by_drafter=dict(self.by_drafter))

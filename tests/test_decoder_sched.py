@@ -222,6 +222,9 @@ def test_a_call_that_measures_itself_losing_hands_the_rest_to_generate(tmp_path:
     st = out.stats
     assert torch.equal(out.sequences, want) and not st.delegated
     assert 0 < st.handed_over <= 30 - 6 and st.emitted == 30
+    # the call's time by part: the prefill and the handed-over rest are not rounds (nor counted twice)
+    assert st.prefill_s > 0 and st.handover_s > 0 and st.draft_s > 0 and st.verify_s > 0
+    assert st.prefill_s + st.draft_s + st.verify_s + st.handover_s <= st.seconds, st.as_dict()
     assert streamer.puts[0] == ids[0].tolist() and streamer.ends == 1
     assert sum(streamer.puts[1:], []) == want[0, ids.shape[1]:].tolist()  # nothing twice, nothing missing
     # an EOS inside the handed-over part stops the row there, like `generate`
