@@ -341,13 +341,14 @@ class FastStep:
         q = q.view(b, s, self.nh, self.hd).transpose(1, 2)
         k = k.view(b, s, self.nkv, self.hd).transpose(1, 2)
         v = v.view(b, s, self.nkv, self.hd).transpose(1, 2)
-        if b == 1 and s == 1:  # int indices: views and copies instead of gathers and index_put
+        one = b == 1 and s == 1  # one new token of one row: int indices, views and copies, no gathers
+        if one:
             at = int(positions[0, 0])
             cos, sin = self.cos[at], self.sin[at]
         else:
             cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        if b == 1 and s == 1:
+        if one:
             cache.k[0, :, at] = k[0, :, 0]
             cache.v[0, :, at] = v[0, :, 0]
             cache.valid[0, at] = True
