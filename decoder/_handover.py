@@ -108,5 +108,6 @@ def hand_over(spec: SpeculativeDecoder, run: Run) -> None:
         st.emitted += len(keep)
         st.row_rounds += len(keep)
     st.plain_rounds += steps
+    st.handover_steps += steps
     st.target_forwards += steps
     st.handover_s += time.perf_counter() - t0

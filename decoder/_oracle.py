@@ -49,7 +49,7 @@ def simulated_seconds(stats: SpecStats, cost, prefill: float = 0.0) -> float:  #
     total = prefill
     for h in stats.history:
         total += cost.verify(b, h[0], frozen=True) + h[4] * cost.step(b, frozen=True)  # catch-up ~ one step
-    return total + stats.handed_over * cost.verify(b, 1, frozen=True)  # the rest, as `generate`'s plain steps
+    return total + stats.handover_steps * cost.verify(b, 1, frozen=True)  # the rest, as `generate`'s plain steps
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ class SpecStats:
     by_drafter: dict[str, int] = field(default_factory=dict)  # rounds each model drafter was consulted
     delegated: bool = False  # the call ran as the target's own `generate` (drafting measured not to pay)
     handed_over: int = 0  # tokens the target's own `generate` decoded after the call measured itself losing
+    handover_steps: int = 0  # ... in this many steps of `generate` (one per token of the longest row)
     seconds: float = 0.0
     draft_s: float = 0.0  # the rounds' drafting (scheduling included)
     verify_s: float = 0.0  # the rounds' target forwards, acceptance and bookkeeping (a delegated call: all of it)

@@ -266,6 +266,11 @@ def test_a_call_that_measures_itself_losing_hands_the_rest_to_generate(tmp_path:
         spec.cost.paths = PathChoice()
         got = spec.generate(two, mask, max_new_tokens=30, **kw)
         assert (got.stats.handed_over > 0) == (kw is argmax) and torch.equal(got.sequences, want2)
+        st = got.stats
+        # on the cost model's clock (a flat 1 ms per forward) the call is its rounds plus `generate`'s steps, one
+        # per token of the batch, not per row: 29 forwards at most after the prefill's token
+        assert st.handover_steps <= st.handed_over and len(st.history) + st.handover_steps <= 29
+        assert simulated_seconds(st, spec.cost) <= 29e-3 + sum(h[4] for h in st.history) * 1e-5 + 1e-9
     assert max(holes) > 0  # some row had drafts rejected where another kept more: a real hole was continued
     # EOS in one row: that row stops there, padded after, like `generate`; a row that is done leaves the batch
     row1 = want2[1, two.shape[1]:].tolist()
