@@ -86,6 +86,7 @@ class EagleFeeder:
         self.sub: probe.Subscriber | None = None
         self._d2t = drafter.draft_to_target_ids()
         self._step = drafter.fast()
+        self._body = getattr(self._step, "body", None)  # EAGLE-3's step: layer and head apart
         if endpoint is not None:
             self.connect(endpoint)
 
@@ -176,32 +177,31 @@ class EagleFeeder:
         d = self.drafter
         dev = self.feats.device
         pick = (end - start).to(dev)[:, None, None]
-        self._run_to(d.fuse(self.feats[rows, pos]), toks[rows, pos + 1].to(dev), pos.to(dev), int(end.max()) + 1,
+        self._run_to(d.fuse(self.feats[rows, pos]), toks[rows, pos + 1].to(dev), pos.to(dev), end,
                      lambda x: x.gather(1, pick.expand(b, 1, x.shape[-1])))
-        self.fed_end = end
-        self.lo = None
-        self.ready = True
 
     def _catch_up_one(self, toks: torch.Tensor, s: int, e: int) -> None:
         """`_catch_up` at batch 1: positions s..e as slices, the cache truncated as one slice."""
         self.cache.valid[0, s if self.fed_end is None else min(s, int(self.fed_end[0]) + 1):] = False
         dev = self.feats.device
         pos = torch.arange(s, e + 1, device=dev)[None]
-        self._run_to(self.drafter.fuse(self.feats[:, s: e + 1]), toks[:, s + 1: e + 2].to(dev), pos, e + 1,
-                     lambda x: x[:, -1:])
-        self.fed_end = torch.tensor([e])
-        self.lo = None
-        self.ready = True
+        self._run_to(self.drafter.fuse(self.feats[:, s: e + 1]), toks[:, s + 1: e + 2].to(dev), pos,
+                     torch.tensor([e]), lambda x: x[:, -1:])
 
-    def _run_to(self, hidden: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, span: int, pick) -> None:  # noqa: ANN001
-        """Run the drafter over the positions and keep `pick`'s position per row (the newest) as the state
-        drafting starts from. A step with a separate head (EAGLE-3's) runs its norm and LM head only there."""
-        body = getattr(self._step, "body", None)
-        if body is not None:
-            self.h = pick(body(hidden, ids, pos, self.cache, span))
+    def _run_to(self, hidden: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, end: torch.Tensor,
+                pick) -> None:  # noqa: ANN001
+        """Run the drafter over the positions (up to `end` per row) and keep `pick`'s position per row (the
+        newest) as the state drafting starts from. A step with a separate head (EAGLE-3's) runs its norm and LM
+        head only there."""
+        span = int(end.max()) + 1
+        if self._body is not None:
+            self.h = pick(self._body(hidden, ids, pos, self.cache, span))
             self.hn, self.logits = self._step.head(self.h)
         else:
             self.h, self.hn, self.logits = (pick(x) for x in self._step(hidden, ids, pos, self.cache, span))
+        self.fed_end = end
+        self.lo = None
+        self.ready = True
 
     # --- drafts out --------------------------------------------------------------------
     def absorb(self, feeds: list[Feed], toks: torch.Tensor, run: bool = True) -> float:
