@@ -45,6 +45,10 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 import probe
+from probe._publisher import MAX_DELAY_S
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _stats import bootstrap_median  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAIN = textwrap.dedent("""
@@ -64,13 +68,17 @@ DRAIN = textwrap.dedent("""
 
 
 class Clock(BaseStreamer):
-    """Timestamps each generated token; decode time excludes the prefill."""
+    """Timestamps each generated token; decode time excludes the prefill. `put` runs on the model's thread, so
+    it also reads that thread's CPU time: wall minus CPU is the time the thread was not running (waiting, or its
+    virtual CPU descheduled by the hypervisor: Linux's thread CPU time leaves out steal)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.cpu: list[float] = []
 
     def put(self, value: torch.Tensor) -> None:
         self.times.append(time.perf_counter())
+        self.cpu.append(time.thread_time())
 
     def end(self) -> None:
         pass
@@ -78,6 +86,14 @@ class Clock(BaseStreamer):
     def decode_tok_s(self, batch: int) -> float:
         # times[0]: prompt pushed; times[1]: first token (after prefill); then one per decode step.
         return batch * (len(self.times) - 2) / (self.times[-1] - self.times[1])
+
+    def cpu_ms_per_step(self) -> float:
+        """The model thread's CPU per decode step."""
+        return 1e3 * (self.cpu[-1] - self.cpu[1]) / (len(self.cpu) - 2)
+
+    def off_cpu_ms_per_step(self) -> float:
+        """Wall minus the model thread's CPU, per decode step."""
+        return 1e3 * (self.times[-1] - self.times[1]) / (len(self.times) - 2) - self.cpu_ms_per_step()
 
     def steps(self) -> list[float]:
         return [b - a for a, b in zip(self.times[1:-1], self.times[2:], strict=True)]
@@ -199,18 +215,19 @@ def decode_overhead(placement: str) -> None:
         for batch in ARGS.batches:
             ids = torch.randint(3, 8192, (batch, ARGS.prompt), generator=torch.Generator().manual_seed(batch))
             run_once(model, lm, ids, "plain", endpoints, pinned)  # warm-up
-            tok_s: dict[str, list[float]] = {m: [] for m in modes}
+            clocks: dict[str, list[Clock]] = {m: [] for m in modes}
             for rep in range(ARGS.repeats):
                 for m in modes[rep % len(modes):] + modes[: rep % len(modes)]:
-                    tok_s[m].append(run_once(model, lm, ids, m, endpoints, pinned).decode_tok_s(batch))
-            report(batch, tok_s)
+                    clocks[m].append(run_once(model, lm, ids, m, endpoints, pinned))
+            report(batch, clocks)
     finally:
         for c in children:
             c.kill()
         os.sched_setaffinity(0, set(cores))
 
 
-def report(batch: int, tok_s: dict[str, list[float]]) -> None:
+def report(batch: int, clocks: dict[str, list[Clock]]) -> None:
+    tok_s = {m: [c.decode_tok_s(batch) for c in v] for m, v in clocks.items()}
     base = statistics.median(tok_s["plain"])
     print(f"\nbatch {batch}: decode tok/s over {ARGS.repeats} interleaved runs (median [min..max]), "
           "slowdown = 1 - median / median(plain)")
@@ -220,11 +237,24 @@ def report(batch: int, tok_s: dict[str, list[float]]) -> None:
         slow[m] = 100 * (1 - med / base)
         # each run's slowdown against the plain run of the same round: the spread the VM's drift allows
         pairs = [100 * (1 - a / b) for a, b in zip(v, tok_s["plain"], strict=True)]
-        print(f"  {m:13s} {med:8.1f} tok/s [{min(v):7.1f}..{max(v):7.1f}]  slowdown {slow[m]:+6.1f} %"
-              + ("" if m == "plain" else f"   per-round [{min(pairs):+5.1f}..{max(pairs):+5.1f}] %"))
+        paired = ""
+        if m != "plain":
+            lo, hi = bootstrap_median(pairs)
+            paired = (f"   per-round [{min(pairs):+5.1f}..{max(pairs):+5.1f}] %, median of rounds "
+                      f"{statistics.median(pairs):+5.1f} % (90 % interval {lo:+.1f}..{hi:+.1f})")
+        print(f"  {m:13s} {med:8.1f} tok/s [{min(v):7.1f}..{max(v):7.1f}]  slowdown {slow[m]:+6.1f} %" + paired)
     if "probebus" in slow:
         others = ", ".join(f"{m} {slow[m]:+.1f} %" for m in ("probebus-live", "naive", "nnsight") if m in slow)
         print(f"  -> probebus {slow['probebus']:+.1f} % vs {others}")
+    # The same runs split: the model thread's CPU per step (what the hooks and sends cost it), and the time it
+    # was not running. On a VM the second includes the hypervisor's steal, e.g. while the thread's virtual CPU
+    # wakes the other, idle one (an eventfd write to ZeroMQ's I/O thread, a socket write to a subscriber).
+    cpu_base = statistics.median(c.cpu_ms_per_step() for c in clocks["plain"])
+    print("  model thread per decode step, median: CPU ms (slowdown vs plain) | not running ms")
+    for m, v in clocks.items():
+        cpu = statistics.median(c.cpu_ms_per_step() for c in v)
+        off = statistics.median(c.off_cpu_ms_per_step() for c in v)
+        print(f"  {m:13s} CPU {cpu:7.2f} ms ({100 * (cpu / cpu_base - 1):+5.1f} %)   not running {off:6.2f} ms")
 
 
 def _nnsight_ok() -> bool:
@@ -403,7 +433,7 @@ if __name__ == "__main__":
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens generated per run (default: %(default)s)")
     ap.add_argument("--port", type=int, default=47810, help="TCP port of the naive baseline")
     ap.add_argument("--skip-decode", action="store_true", help="only the bus throughput")
-    ap.add_argument("--max-delay", type=float, default=0.05,
+    ap.add_argument("--max-delay", type=float, default=MAX_DELAY_S,
                     help="probebus's max_delay: steps held for one send while no subscriber is live; 0 sends "
                          "every step at its end (default: %(default)s, as probe.attach)")
     ap.add_argument("--skip-bus", action="store_true", help="only the decode overhead")

@@ -27,6 +27,7 @@ import textwrap
 import time
 
 import torch
+from _stats import bootstrap_median
 
 DRAIN = textwrap.dedent("""
     import os, sys, probe
@@ -124,19 +125,11 @@ def report(name: str, results: dict[int, dict[str, list[float]]]) -> None:
     for batch, res in results.items():
         off, on = statistics.median(res["off"]), statistics.median(res["on"])
         pairs = [100 * (1 - b / a) for a, b in zip(res["off"], res["on"], strict=True)]
-        lo, hi = _bootstrap_median(pairs)
+        lo, hi = bootstrap_median(pairs)
         print(f"  {name:12s} batch {batch}: off {off:7.1f} tok/s [{min(res['off']):.1f}..{max(res['off']):.1f}]"
               f"  on {on:7.1f} tok/s [{min(res['on']):.1f}..{max(res['on']):.1f}]"
               f"  slowdown {100 * (1 - on / off):+5.1f} %, median of rounds {statistics.median(pairs):+5.1f} %"
               f" (90 % interval {lo:+.1f}..{hi:+.1f}; per-round {min(pairs):+.1f}..{max(pairs):+.1f} %)")
-
-
-def _bootstrap_median(values: list[float], n: int = 2000) -> tuple[float, float]:
-    """A 90 % bootstrap interval of the median of the rounds' own slowdowns: how far this run pins it down."""
-    g = torch.Generator().manual_seed(0)
-    v = torch.tensor(values)
-    meds = v[torch.randint(len(v), (n, len(v)), generator=g)].median(dim=1).values.sort().values
-    return float(meds[int(0.05 * n)]), float(meds[int(0.95 * n) - 1])
 
 
 if __name__ == "__main__":

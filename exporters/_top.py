@@ -11,7 +11,7 @@ Rates are over the last `window` seconds. `gaps` are captures this monitor misse
 (the bus' per-site sequence numbers; with an older publisher: a site that skipped a
 step other sites reported). `lag_s` is how long ago the newest capture of a site was
 published when it arrived here (the wire carries the time its step was packed for sending,
-so a step the session held for a later send, up to its `max_delay`, shows that wait; same
+so a step the session held for a later send, for its linger, shows that wait; same
 clock when the session runs on this machine); `lag_steps` how far a site trails the newest step seen
 at any site; `idle_s` the time since its last capture. `busy` is the share of time
 this monitor found a message already waiting; near 1.0 means the monitor itself

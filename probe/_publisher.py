@@ -27,15 +27,19 @@ site, else one message each so that ZeroMQ's per-site filtering keeps working.
 
 Unless a subscriber is *live* (`Subscriber(live=True)`: a drafter, a controller that acts
 on each token), the step's bundles are held and sent with later steps' once the oldest is
-`max_delay` seconds old (0.05 by default) or 1 MiB are held, like TCP's Nagle or Kafka's
-linger. The send that finds ZeroMQ's I/O thread asleep wakes it on another core, and on
-this 2-core VM that costs the model's thread 60-96 us (4-5 us back to back): once per
-batch of steps instead of once per step. A recorder or a live view loses nothing by it: the
-control thread sends what is held once it is `max_delay` old, so a model that stops
-stepping strands nothing for longer than ~max_delay + 50 ms, and `close()` sends all of it
-before the end of stream. A live subscriber's presence switches holding off from the
-step at which the model's thread reads it (it reads subscriptions every 25 ms of steps;
-`wait_for_subscribers` reads them at once).
+old enough (the *linger*) or 1 MiB are held, like TCP's Nagle or Kafka's linger. The send
+that finds ZeroMQ's I/O thread asleep wakes it on another core, and that costs the model's
+thread what this machine charges for a cross-core wake-up: 4-5 us back to back, 60-96 us
+after a pause on the 2-core VM one day, and 1-2 ms on another, where waking the idle
+virtual CPU stalled the sender's (`benchmarks/wakeup.py`). So the linger adapts: it is 100
+times the median cost of the last 8 such sends (the bus's wake-ups stay near 1 % of the
+model thread's time), never under 50 ms and never over `max_delay` (0.5 s by default).
+A recorder or a live view loses nothing by it: the control thread sends what is held once
+it is a linger old, so a model that stops stepping strands nothing for longer than
+~linger + 50 ms, and `close()` sends all of it before the end of stream. A live
+subscriber's presence switches holding off from the step at which the model's thread
+reads it (it reads subscriptions every 25 ms of steps; `wait_for_subscribers` reads them
+at once).
 
 Subscribers announce themselves with a private presence topic (counted by
 `wait_for_subscribers`); each new one triggers the session-info broadcast. The model's
@@ -52,10 +56,12 @@ from __future__ import annotations
 
 import atexit
 import os
+import statistics
 import threading
 import time
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -77,7 +83,9 @@ _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _SERVICE_EVERY_S = 0.025  # the model's thread looks for new subscriptions at most this often
 ZERO_COPY_MIN = 1 << 16  # below this a memcpy into ZeroMQ's message beats a tracker (measured 64 KiB ~ 10 us)
 _IDLE_S = 0.05  # the control thread's tick, and how recent a step must be for it to stay away
-MAX_DELAY_S = 0.05  # default: how old held bundles may get before they go (no live subscriber)
+MAX_DELAY_S = 0.5  # default: the most held bundles may linger (no live subscriber)
+MIN_LINGER_S = 0.05  # held bundles linger at least this long (unless max_delay is shorter)
+_WAKE_BUDGET = 100  # linger = this x a burst send's cost: the wake-ups take ~1 % of the model thread
 _HOLD_MAX = 1 << 20  # bytes of held bundles that go at once, whatever their age
 _UNFILTERED = {b"", INFO_TOPIC, END_TOPIC}  # subscriptions of subscribers that take every site
 Frame = bytes | bytearray | memoryview
@@ -139,6 +147,8 @@ class Publisher:
         self._held_bytes = 0
         self._held_since = 0.0
         self._held_count = 0  # captures in them
+        self._linger = min(self.max_delay, MIN_LINGER_S)  # how old held bundles get before they go (adapts)
+        self._burst_s: deque[float] = deque(maxlen=8)  # what the model thread's last held sends cost it
         # Held by whoever hands held bundles to ZeroMQ (the model's thread, or the control thread for a model
         # that stopped stepping), so that they leave in order and never interleave with newer ones.
         self._order = threading.Lock()
@@ -184,13 +194,28 @@ class Publisher:
                     self._held_since = now
                 for buf, meta in bundles:
                     self._hold(buf, meta)
-                if now - self._held_since < self.max_delay and self._held_bytes < _HOLD_MAX:
+                if now - self._held_since < self._linger and self._held_bytes < _HOLD_MAX:
                     return
-                bundles = []
+                t0 = time.perf_counter()
+                self._send_held()
+                self._adapt(time.perf_counter() - t0)
+                return
             if self._held:
                 self._send_held()
             for buf, meta in bundles:
                 self.send_bundle(buf, meta)
+
+    def _adapt(self, cost: float) -> None:
+        """Set the linger from what the model thread's held sends cost it (mostly the wake-up of ZeroMQ's I/O
+        thread on another core: microseconds on most machines, milliseconds on some VMs)."""
+        self._burst_s.append(cost)
+        wake = statistics.median(self._burst_s)
+        self._linger = min(self.max_delay, max(MIN_LINGER_S, _WAKE_BUDGET * wake))
+
+    @property
+    def linger(self) -> float:
+        """Seconds held bundles wait now before the model's thread sends them (no live subscriber)."""
+        return self._linger
 
     @property
     def held(self) -> int:
@@ -216,7 +241,7 @@ class Publisher:
             self.send_bundle(buf, meta)
 
     def flush_held(self, *, blocking: bool = True) -> None:
-        """Send what is held now (close, pause; the control thread once it is `max_delay` old)."""
+        """Send what is held now (close, pause; the control thread once it is a linger old)."""
         if not self._held or not self._order.acquire(blocking=blocking):
             return
         try:
@@ -461,7 +486,7 @@ class Publisher:
                 pass
         try:
             while not self._closing.wait(_IDLE_S):
-                if self._held and time.monotonic() - self._held_since >= self.max_delay:
+                if self._held and time.monotonic() - self._held_since >= self._linger:
                     self.flush_held(blocking=False)  # the model stopped stepping (or steps slowly): send them
                 if time.monotonic() - self.last_active < 2 * _IDLE_S:
                     continue  # the model's thread is stepping and reads subscriptions itself

@@ -52,8 +52,8 @@ class ProbeStats:
                 `SubscriberStats.missed`)
     dropped     no room under best_effort, a failed copy, or refused after the stall limit
     queued      staged and not yet sent: the running step's captures (sent at its end), steps
-                held for a later send (no live subscriber; at most `max_delay` old while the model
-                steps, ~50 ms more once it stops) and device copies in flight (CUDA); 0 after close
+                held for a later send (no live subscriber; at most a linger old while the model
+                steps, ~50 ms more once it stops: see `max_delay`) and device copies in flight (CUDA); 0 after close
     degraded    `complete` hit `stall_timeout` and stopped blocking on a full subscriber
     """
 
@@ -329,9 +329,11 @@ def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None
     capacity_bytes  staging memory bound for large captures (ZeroMQ's queue of small
                     ones holds at most sndhwm x 64 KiB; sndhwm defaults to capacity / 64 KiB).
     strip_finished  in decode, rows whose fed token is EOS/pad (finished in generate) are not published.
-    max_delay       seconds a decode step's small captures may wait to leave with later steps' (one
-                    wake-up of ZeroMQ's I/O thread per batch of steps) while no subscriber is live
-                    (`Subscriber(live=True)`); 0 sends every step at its end.
+    max_delay       the most seconds a decode step's small captures may wait to leave with later
+                    steps' (one wake-up of ZeroMQ's I/O thread per batch of steps) while no subscriber
+                    is live (`Subscriber(live=True)`). They wait 50 ms, or longer where the machine
+                    makes those wake-ups dear (100x their measured cost), up to this; 0 sends every
+                    step at its end.
     """
     return ProbeSession(model, sites, endpoint=endpoint, policy=policy, capacity_bytes=capacity_bytes, run=run,
                         sndhwm=sndhwm, allow_remote=allow_remote, curve_secret_key=curve_secret_key,

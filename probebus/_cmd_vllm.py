@@ -30,10 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=["complete", "best_effort"], default="best_effort",
                    help="complete: the server waits for slow subscribers; best_effort (default for a server): "
                    "it never waits, slow subscribers lose messages")
-    p.add_argument("--max-delay", type=float, default=0.05, metavar="SECONDS",
-                   help="while no subscriber is live, a decode step's captures may wait this long to leave with "
-                        "later steps' in one send (fewer wake-ups of the bus on the model's thread); 0 sends every "
-                        "step at its end (default: %(default)s)")
+    p.add_argument("--max-delay", type=float, default=None, metavar="SECONDS",
+                   help="while no subscriber is live, a decode step's captures may wait up to this long to leave "
+                        "with later steps' in one send (fewer wake-ups of the bus on the model's thread; they wait "
+                        "50 ms, longer where those wake-ups cost more); 0 sends every step at its end "
+                        "(default: probe.attach's, 0.5)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_attach)
     d = sub.add_parser("detach", help="remove the probes from a vLLM server",
@@ -52,8 +53,9 @@ def _cmd_attach(args: argparse.Namespace) -> int:
         if args.list:
             print("\n".join(probe.vllm.list_sites(engine)))
             return 0
+        held = {} if args.max_delay is None else {"max_delay": args.max_delay}
         session = probe.vllm.attach(engine, [s.strip() for s in args.sites.split(",") if s.strip()],
-                                    endpoint=args.endpoint, policy=args.policy, max_delay=args.max_delay)
+                                    endpoint=args.endpoint, policy=args.policy, **held)
     except (RuntimeError, probe.SiteError, AttributeError) as exc:
         print(f"probebus attach: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import zmq
 from models import build
@@ -26,12 +27,14 @@ def _data_messages(sock: zmq.Socket) -> list[list[bytes]]:
     return out
 
 
-def test_steps_are_held_and_leave_together_once_max_delay_old_with_no_further_step() -> None:
+def test_steps_are_held_and_leave_together_once_a_linger_old_with_no_further_step() -> None:
     """Without a live subscriber a step's captures wait for later steps' (one send, one bundle), and a model that
-    stops stepping strands nothing: the control thread sends them once the oldest is max_delay old, in order."""
+    stops stepping strands nothing: the control thread sends them once the oldest is a linger old, in order."""
     model = build("llama")
     n = model.config.num_hidden_layers
-    with probe.attach(model, "layers.*.resid_post", max_delay=1.0) as session:
+    with probe.attach(model, "layers.*.resid_post", max_delay=5.0) as session:
+        session.publisher._adapt(0.01)  # as if a held send had cost the model's thread 10 ms: linger 1 s
+        assert session.publisher.linger == 1.0
         raw = zmq.Context.instance().socket(zmq.SUB)  # counts the messages on the wire
         raw.setsockopt(zmq.SUBSCRIBE, b"")
         raw.connect(session.endpoint)
@@ -48,7 +51,7 @@ def test_steps_are_held_and_leave_together_once_max_delay_old_with_no_further_st
             assert cap is not None, f"only {len(caps)} of {4 * n} arrived"
             caps.append(cap)
         arrived = time.monotonic() - t0
-        assert 1.0 <= arrived < 4.0, arrived  # not before max_delay; within a control tick or so after it
+        assert 1.0 <= arrived < 4.0, arrived  # not before the linger; within a control tick or so after it
         assert [(c.step, c.site) for c in caps] == [(s, f"layers.{i}.resid_post") for s in range(1, 5)
                                                     for i in range(n)]
         assert session.stats.queued == 0 and session.stats.published == 4 * n
@@ -84,3 +87,29 @@ def test_a_live_subscriber_gets_every_step_at_its_end_and_holding_resumes_when_i
     caps = list(everything.iter(idle_timeout=5))
     assert [(c.step, c.site) for c in caps] == [(s, f"layers.{i}.resid_post") for s in range(1, 5) for i in range(n)]
     assert everything.ended and everything.stats.missed == 0
+
+
+def test_the_linger_follows_what_held_sends_cost_within_its_bounds() -> None:
+    """100x the median cost of the last 8 held sends, at least 50 ms, at most max_delay; and a real held send on
+    this machine (microseconds to a few milliseconds) sets it from a measured cost."""
+    model = build("llama")
+    with probe.attach(model, "layers.*.resid_post", max_delay=0.4) as session:
+        pub = session.publisher
+        assert pub.linger == 0.05  # before any send
+        for cost in (0.001, 0.002, 0.003):
+            pub._adapt(cost)
+        assert pub.linger == pytest.approx(0.2)  # median 2 ms
+        for _ in range(8):
+            pub._adapt(0.02)
+        assert pub.linger == 0.4  # capped by max_delay
+        for _ in range(8):
+            pub._adapt(1e-5)
+        assert pub.linger == 0.05  # never under 50 ms
+    with probe.attach(model, "layers.*.resid_post", max_delay=0.001) as session:  # under the floor: it rules
+        pub = session.publisher
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for(sub, timeout=10)
+        _forward(model, 10)  # each forward takes over 1 ms: the model's thread sends what is held, timed
+        assert pub.linger == 0.001 and len(pub._burst_s) >= 3
+        assert all(0 < c < 0.5 for c in pub._burst_s), list(pub._burst_s)
+    assert probe.attach.__kwdefaults__["max_delay"] == 0.5
