@@ -1,0 +1,190 @@
+"""What a probe costs one decode step, measured step against neighbouring step.
+
+    python benchmarks/paired_steps.py                  # batch 1 and 8, 12 generates per mode
+    python benchmarks/paired_steps.py --quick
+
+`overhead.py` compares whole generate calls, seconds apart, and on a shared VM their
+per-round spread (10-20 %) hides a 2 % effect. Here the probe is switched on and off
+between the decode steps of one generate: the taps come off the model entirely on an
+"off" step (it runs as plain `generate` does) and go back on for the next. Each "on"
+step is compared with the mean of the "off" steps on both sides of it, 15-30 ms apart,
+which cancels the VM's drift and the steps' own growth with the sequence. The switch
+itself happens between the timestamps, so it is not counted; what an "on" step pays
+(hooks, copies, the step's identity, the sends that fall due at its end) is.
+
+Modes, interleaved per generate: `a/a` switches nothing (the estimator's own bias, which
+should be ~0), `probebus` (a draining Subscriber; steps held up to the linger, as by
+default), `probebus-live` (a live Subscriber: every step's captures leave at its end),
+`naive` (hooks that clone and send synchronously). The model's thread runs alone on
+core 0 with 1 torch thread; everything else on the other cores (overhead.py's
+"model core" placement). Reported: the median per-step cost (CPU of the model's thread,
+and wall) as a share of an off step, with a 90 % bootstrap interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import zmq
+from transformers.generation.streamers import BaseStreamer
+
+import probe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _stats import bootstrap_median  # noqa: E402
+from overhead import DRAIN, NaiveHooks, build_model, machine, model_core  # noqa: E402
+
+MODES = ["a/a", "probebus", "probebus-live", "naive"]
+
+
+class Toggler(BaseStreamer):
+    """Records each decode step's wall and thread CPU time, and switches the probe for the next step between the
+    timestamps (`put` runs on the model's thread after every step)."""
+
+    def __init__(self, switch, first_on: bool) -> None:  # noqa: ANN001
+        self.switch, self.state = switch, first_on
+        self.steps: list[tuple[bool, float, float]] = []  # (probed, wall s, cpu s) per decode step
+        self._puts = 0
+        self._t = (0.0, 0.0)
+
+    def put(self, value: torch.Tensor) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        self._puts += 1
+        if self._puts == 1:  # the prompt: the prefill follows, probed as usual
+            return
+        if self._puts > 2:  # a decode step just ended
+            self.steps.append((self.state, wall - self._t[0], cpu - self._t[1]))
+            self.state = not self.state
+        self.switch(self.state)
+        self._t = (time.perf_counter(), time.thread_time())
+
+    def end(self) -> None:
+        pass
+
+
+def costs(steps: list[tuple[bool, float, float]], field: int) -> tuple[list[float], list[float]]:
+    """Per "on" step: its time minus the mean of its two "off" neighbours; and the off steps' times."""
+    diffs = [steps[i][field] - (steps[i - 1][field] + steps[i + 1][field]) / 2
+             for i in range(1, len(steps) - 1) if steps[i][0]]
+    return diffs, [s[field] for s in steps if not s[0]]
+
+
+def run(model, ids: torch.Tensor, mode: str, endpoints: dict[str, str], first_on: bool,  # noqa: ANN001
+        naive: NaiveHooks | None) -> list[tuple[bool, float, float]]:
+    kw = dict(max_new_tokens=ARGS.new_tokens, min_new_tokens=ARGS.new_tokens, do_sample=False, eos_token_id=None,
+              pad_token_id=0, attention_mask=torch.ones_like(ids))
+    if mode == "a/a":
+        clock = Toggler(lambda on: None, first_on)
+        with torch.no_grad(), model_core(True):
+            model.generate(ids, streamer=clock, **kw)
+        return clock.steps
+    if mode == "naive":
+        assert naive is not None
+        naive.handles = []
+        hook = [naive._hook(f"layers.{i}.resid_post") for i in range(len(model.model.layers))]
+
+        def switch_naive(on: bool) -> None:
+            for h in naive.handles:
+                h.remove()
+            naive.handles = [layer.register_forward_hook(f) for layer, f in zip(model.model.layers, hook,
+                                                                                  strict=True)] if on else []
+        clock = Toggler(switch_naive, first_on)
+        switch_naive(True)
+        with torch.no_grad(), model_core(True):
+            model.generate(ids, streamer=clock, **kw)
+        switch_naive(False)
+        return clock.steps
+    with probe.attach(model, "layers.*.resid_post", endpoint=endpoints[mode]) as session:
+        hooks, sites = session._hooks, session.sites  # the taps on and off without pause()'s flush of held steps
+
+        now = [True]
+
+        def switch(on: bool) -> None:
+            if on != now[0]:
+                hooks.change("add" if on else "remove", sites)
+                now[0] = on
+            assert on or probe._hooks.tapped(model) == 0  # an off step runs as plain generate
+        session.wait_for_subscribers(1, timeout=30)
+        clock = Toggler(switch, first_on)
+        with torch.no_grad(), model_core(True):
+            model.generate(ids, streamer=clock, **kw)
+    assert session.stats.dropped == 0 and session.stats.published == session.stats.captured
+    session.join(30)
+    return clock.steps
+
+
+def main() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        sys.exit("needs 2 cores: the model's thread alone on core 0, the rest on the others")
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, set(cores) - {0})  # threads and processes started from here stay off core 0
+    model = build_model(ARGS)
+    endpoints = {"probebus": f"ipc:///tmp/probebus-paired-{os.getpid()}",
+                 "probebus-live": f"ipc:///tmp/probebus-paired-live-{os.getpid()}",
+                 "naive": f"tcp://127.0.0.1:{ARGS.port}"}
+    children = [subprocess.Popen([sys.executable, "-c", DRAIN, m, e]) for m, e in endpoints.items()
+                if m in ARGS.modes]
+    zmq.Context.instance().socket(zmq.PAIR).close()  # ZeroMQ's I/O thread starts here, off core 0
+    naive = NaiveHooks(model, endpoints["naive"]) if "naive" in ARGS.modes else None
+    if naive is not None:
+        for h in naive.handles:
+            h.remove()
+    print("machine:", machine())
+    print(f"random Llama (hidden {ARGS.hidden}, {ARGS.layers} layers), fp32, prompt {ARGS.prompt}, "
+          f"{ARGS.new_tokens} new tokens, greedy, sites layers.*.resid_post; model thread alone on core 0; "
+          f"{ARGS.generates} generates per mode, probe on every other decode step")
+    try:
+        for batch in ARGS.batches:
+            ids = torch.randint(3, 8192, (batch, ARGS.prompt), generator=torch.Generator().manual_seed(batch))
+            run(model, ids, "a/a", endpoints, True, naive)  # warm-up
+            steps: dict[str, list[list]] = {m: [] for m in ARGS.modes}
+            for g in range(ARGS.generates):
+                for m in ARGS.modes[g % len(ARGS.modes):] + ARGS.modes[: g % len(ARGS.modes)]:
+                    steps[m].append(run(model, ids, m, endpoints, g % 2 == 0, naive))
+            print(f"\nbatch {batch}: cost of a probed decode step over its unprobed neighbours, median "
+                  "(90 % bootstrap interval), share of an unprobed step")
+            for m, runs in steps.items():
+                out = []
+                for field, name in ((2, "CPU"), (1, "wall")):
+                    diffs, offs = [], []
+                    for s in runs:
+                        d, o = costs(s, field)
+                        diffs += d
+                        offs += o
+                    base = statistics.median(offs)
+                    lo, hi = bootstrap_median(diffs)
+                    out.append(f"{name} {1e3 * statistics.median(diffs):+7.3f} ms "
+                               f"{100 * statistics.median(diffs) / base:+5.2f} % "
+                               f"[{100 * lo / base:+.2f}..{100 * hi / base:+.2f}] of {1e3 * base:6.2f} ms")
+                print(f"  {m:13s} {len(diffs):4d} steps   " + "   ".join(out))
+    finally:
+        for c in children:
+            c.kill()
+        if naive is not None:
+            naive.sock.close(0)
+        os.sched_setaffinity(0, set(cores))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run")
+    ap.add_argument("--generates", type=int, default=12, help="generate calls per mode and batch (default: 12)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--port", type=int, default=47811, help="TCP port of the naive baseline")
+    ARGS = ap.parse_args()
+    if ARGS.quick:
+        ARGS.generates, ARGS.new_tokens = 2, 12
+    main()

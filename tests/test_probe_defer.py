@@ -1,0 +1,82 @@
+"""Decode steps are captured at their end: what each hook saw, exactly, or a clear drop when the model wrote
+into a captured tensor after its hook."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from models import build
+
+import probe
+
+PROMPT = torch.tensor([[5, 17, 33, 9, 40]])
+NEW = 4
+
+
+def _clones(model: torch.nn.Module) -> tuple[dict[tuple[int, int], torch.Tensor], list]:
+    """Per (layer, forward): a clone of the layer's output taken inside a forward hook (the oracle), and the
+    handles. Registered after probe.attach, so they run after probebus's taps on the same call."""
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    calls = [0] * len(model.model.layers)
+
+    def keep(i: int):  # noqa: ANN202
+        def hook(mod, args, out):  # noqa: ANN001, ANN202
+            got[(i, calls[i])] = (out[0] if isinstance(out, tuple) else out).detach().clone().reshape(-1, 64)
+            calls[i] += 1
+        return hook
+    return got, [layer.register_forward_hook(keep(i)) for i, layer in enumerate(model.model.layers)]
+
+
+def _run(model: torch.nn.Module, session: probe.ProbeSession, sub: probe.Subscriber, *, inference: bool = False):
+    session.wait_for(sub)
+    ctx = torch.inference_mode() if inference else torch.no_grad()
+    with ctx:
+        model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=NEW, min_new_tokens=NEW,
+                       do_sample=False, pad_token_id=0)
+    stats = session.close()
+    return [c for c in sub], stats
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_every_capture_is_what_its_hook_saw(inference: bool) -> None:
+    model = build("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        session = probe.attach(model, "layers.*.resid_post", endpoint="tcp://127.0.0.1:*")
+        sub = probe.Subscriber(session.endpoint)
+        oracle, handles = _clones(model)
+        caps, stats = _run(model, session, sub, inference=inference)
+    for h in handles:
+        h.remove()
+    assert session._hooks.defer  # decode steps (and this short prefill) went through the deferred path
+    assert stats.captured == stats.published == len(caps) == 3 * NEW and stats.dropped == 0
+    first = min(c.step for c in caps)  # the session's step numbers; the oracle counts forwards from 0
+    for cap in caps:
+        torch.testing.assert_close(cap.tensor, oracle[(cap.layer, cap.step - first)], rtol=0, atol=0)
+
+
+def test_a_tensor_written_after_its_hook_is_dropped_and_later_steps_copy_in_the_hook() -> None:
+    model = build("llama")
+    session = probe.attach(model, "layers.*.resid_post", endpoint="tcp://127.0.0.1:*")
+    sub = probe.Subscriber(session.endpoint)
+    before: list[torch.Tensor] = []
+
+    def write_into_input(mod, args):  # noqa: ANN001, ANN202
+        before.append(args[0].detach().clone().reshape(-1, 64))  # layer 0's output as its hook saw it
+        args[0].add_(1.0)  # then layer 1 changes it in place, before the step's end
+
+    handle = model.model.layers[1].register_forward_pre_hook(write_into_input)
+    with pytest.warns(UserWarning, match="wrote into layers.0.resid_post's tensor after its hook"):
+        caps, stats = _run(model, session, sub)
+    handle.remove()
+    assert not session._hooks.defer
+    # The prefill's layer-0 capture was stale: dropped, and counted. Every other one arrived.
+    assert stats.dropped == 1 and stats.captured == stats.published + stats.dropped == 3 * NEW
+    first = min(c.step for c in caps if c.layer == 2)  # the prefill's step number
+    assert sorted(c.step - first for c in caps if c.layer == 2) == list(range(NEW))
+    layer0 = sorted((c for c in caps if c.layer == 0), key=lambda c: c.step)
+    assert [c.step - first for c in layer0] == list(range(1, NEW))
+    for cap in layer0:  # copied inside the hook, before layer 1 wrote into it
+        torch.testing.assert_close(cap.tensor, before[cap.step - first], rtol=0, atol=0)
