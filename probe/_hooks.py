@@ -24,7 +24,6 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable
-from functools import partial
 
 import numpy as np
 import torch
@@ -168,9 +167,9 @@ class Hooks:
                 point = self.arch.locate(site)
                 key = SiteKey(site, site.encode(), site_layer(site))
                 if point.kind == "pre":
-                    h = tap(point.module, partial(self._pre_hook, key), pre=True)
+                    h = tap(point.module, self._pre_hook(key), pre=True)
                 else:
-                    h = tap(point.module, partial(self._post_hook, key), pre=False)
+                    h = tap(point.module, self._post_hook(key), pre=False)
                 self._handles[site] = h
                 self.active.add(site)
         else:
@@ -221,21 +220,33 @@ class Hooks:
         except Exception as exc:  # never crash the model being observed
             self._warn_once(repr(type(exc)), f"probebus: sending a step's captures failed: {exc!r}")
 
-    def _pre_hook(self, key: SiteKey, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        t = args[0] if args else kwargs.get("hidden_states")
-        if isinstance(t, torch.Tensor) and key.name in self.active:
-            if self._deferred is not None:
-                self._deferred.append((key, t, t._version))
-            else:
-                self._capture(key, t)
+    # The site hooks are closures over what they read: between the model's layers every object a hook touches
+    # is a cache miss, and a partial of a bound method touched three more than this.
+    def _pre_hook(self, key: SiteKey) -> Callable:
+        active, name, tensor, capture = self.active, key.name, torch.Tensor, self._capture
 
-    def _post_hook(self, key: SiteKey, module: nn.Module, args: tuple, output: object) -> None:
-        t = output[0] if isinstance(output, (tuple, list)) else output
-        if isinstance(t, torch.Tensor) and key.name in self.active:
-            if self._deferred is not None:
-                self._deferred.append((key, t, t._version))
-            else:
-                self._capture(key, t)
+        def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            t = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(t, tensor) and name in active:
+                deferred = self._deferred
+                if deferred is not None:
+                    deferred.append((key, t, t._version))
+                else:
+                    capture(key, t)
+        return pre
+
+    def _post_hook(self, key: SiteKey) -> Callable:
+        active, name, tensor, capture = self.active, key.name, torch.Tensor, self._capture
+
+        def post(module: nn.Module, args: tuple, output: object) -> None:
+            t = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(t, tensor) and name in active:
+                deferred = self._deferred
+                if deferred is not None:
+                    deferred.append((key, t, t._version))
+                else:
+                    capture(key, t)
+        return post
 
     def _end_deferred(self) -> None:
         """Capture the step's deferred tensors, in the order their hooks ran."""
