@@ -104,12 +104,8 @@ def run(model, ids: torch.Tensor, mode: str, endpoints: dict[str, str], first_on
     with probe.attach(model, "layers.*.resid_post", endpoint=endpoints[mode]) as session:
         hooks, sites = session._hooks, session.sites  # the taps on and off without pause()'s flush of held steps
 
-        now = [True]
-
         def switch(on: bool) -> None:
-            if on != now[0]:
-                hooks.change("add" if on else "remove", sites)
-                now[0] = on
+            hooks.change("add" if on else "remove", sites)
             assert on or probe._hooks.tapped(model) == 0  # an off step runs as plain generate
         session.wait_for_subscribers(1, timeout=30)
         clock = Toggler(switch, first_on)

@@ -164,6 +164,9 @@ class Hooks:
     def _apply(self, op: str, names: list[str]) -> None:
         if op == "add":
             for site in names:
+                if site in self._handles:  # tapped already (a second tap would capture it twice)
+                    self.active.add(site)
+                    continue
                 point = self.arch.locate(site)
                 key = SiteKey(site, site.encode(), site_layer(site))
                 if point.kind == "pre":

@@ -379,3 +379,15 @@ def test_a_filtered_subscriber_receives_its_sites_while_another_takes_everything
     assert {c.site for c in mine} == {"layers.0.resid_post", "layers.1.resid_post"}
     assert _digest(mine) == _digest([c for c in all_caps if c.site in ("layers.0.resid_post", "layers.1.resid_post")])
     assert filtered.stats.missed == everything.stats.missed == 0 and filtered.stats.filtered == 0
+
+
+def test_adding_a_tapped_site_again_keeps_one_tap() -> None:
+    model = build("llama")
+    with probe.attach(model, "layers.*.resid_post") as session:
+        n = tapped(model)
+        session._hooks.change("add", session.sites)  # the hooks' own API, as a pause's resume or a benchmark uses it
+        assert tapped(model) == n  # a second tap would capture every site twice and could not be removed
+        session.pause()
+        assert tapped(model) == 0
+        session.resume()
+        assert tapped(model) == n
