@@ -154,6 +154,9 @@ class Hooks:
 
     def remove_all(self) -> None:
         with self._lock:
+            if self._deferred and threading.get_ident() == self._model_thread:
+                self._end_deferred()  # a forward that raised left its captures: they go out with the rest
+            self._deferred = None  # (from another thread a forward may be running: its partial step is not sent)
             self.active.clear()
             self._pending.clear()
             for h in list(self._handles.values()) + self._top:

@@ -80,3 +80,22 @@ def test_a_tensor_written_after_its_hook_is_dropped_and_later_steps_copy_in_the_
     assert [c.step - first for c in layer0] == list(range(1, NEW))
     for cap in layer0:  # copied inside the hook, before layer 1 wrote into it
         torch.testing.assert_close(cap.tensor, before[cap.step - first], rtol=0, atol=0)
+
+
+def test_a_forward_that_raises_keeps_the_captures_it_made() -> None:
+    model = build("llama")
+    session = probe.attach(model, "layers.*.resid_post", endpoint="tcp://127.0.0.1:*")
+    sub = probe.Subscriber(session.endpoint)
+    session.wait_for(sub)
+
+    def fail(mod, args):  # noqa: ANN001, ANN202
+        raise RuntimeError("the model fails in layer 2")
+
+    handle = model.model.layers[2].register_forward_pre_hook(fail)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="fails in layer 2"):
+        model(PROMPT)
+    handle.remove()
+    stats = session.close()  # the step never ended: close sends what its hooks took
+    caps = list(sub)
+    assert stats.captured == stats.published == 2 and stats.dropped == 0
+    assert sorted(c.layer for c in caps) == [0, 1]
