@@ -118,7 +118,7 @@ class Hooks:
     site's hook only keeps a reference to its tensor and the tensor's version counter, and the step's end
     copies them all in one loop. Between a model's layers every Python operation runs from caches the
     layers have just flushed: in a paired-step measurement (`benchmarks/paired_steps.py`, batch 1, 8 sites)
-    copying in each hook cost the step 0.36 ms, 30-37 us a capture, against 0.14 ms for the taps and step
+    copying in each hook cost the step 0.36 ms, 30-37 us a capture, against 0.11 ms for the taps and step
     bookkeeping alone. A tensor the model writes into after its hook (its version counter moved) is not
     what the layer returned: that capture is dropped with a warning and the session goes back to copying
     in the hook. Steps under `torch.inference_mode` (no version counters), CUDA models and larger steps
