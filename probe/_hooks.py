@@ -172,11 +172,8 @@ class Hooks:
                     continue
                 point = self.arch.locate(site)
                 key = SiteKey(site, site.encode(), site_layer(site))
-                if point.kind == "pre":
-                    h = tap(point.module, self._pre_hook(key), pre=True)
-                else:
-                    h = tap(point.module, self._post_hook(key), pre=False)
-                self._handles[site] = h
+                pre = point.kind == "pre"
+                self._handles[site] = tap(point.module, self._site_hook(key, pre), pre=pre)
                 self.active.add(site)
         else:
             for site in names:
@@ -226,33 +223,26 @@ class Hooks:
         except Exception as exc:  # never crash the model being observed
             self._warn_once(repr(type(exc)), f"probebus: sending a step's captures failed: {exc!r}")
 
-    # The site hooks are closures over what they read: between the model's layers every object a hook touches
-    # is a cache miss, and a partial of a bound method touched three more than this.
-    def _pre_hook(self, key: SiteKey) -> Callable:
+    def _site_hook(self, key: SiteKey, pre: bool) -> Callable:
+        """The tap of one site: before its module's forward (`pre`: the tensor is its input) or after it.
+
+        A closure over what it reads: between the model's layers every object a hook touches is a cache miss,
+        and a partial of a bound method touched three more than this. One closure serves both kinds (`third`
+        is the forward's kwargs before it, its output after it), so their logic cannot drift apart."""
         active, name, tensor, capture = self.active, key.name, torch.Tensor, self._capture
 
-        def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            t = args[0] if args else kwargs.get("hidden_states")
+        def hook(module: nn.Module, args: tuple, third: object) -> None:
+            if pre:
+                t = args[0] if args else third.get("hidden_states")  # type: ignore[attr-defined]
+            else:
+                t = third[0] if isinstance(third, (tuple, list)) else third
             if isinstance(t, tensor) and name in active:
                 deferred = self._deferred
                 if deferred is not None:
                     deferred.append((key, t, t._version))
                 else:
                     capture(key, t)
-        return pre
-
-    def _post_hook(self, key: SiteKey) -> Callable:
-        active, name, tensor, capture = self.active, key.name, torch.Tensor, self._capture
-
-        def post(module: nn.Module, args: tuple, output: object) -> None:
-            t = output[0] if isinstance(output, (tuple, list)) else output
-            if isinstance(t, tensor) and name in active:
-                deferred = self._deferred
-                if deferred is not None:
-                    deferred.append((key, t, t._version))
-                else:
-                    capture(key, t)
-        return post
+        return hook
 
     def _end_deferred(self) -> None:
         """Capture the step's deferred tensors, in the order their hooks ran."""
