@@ -317,6 +317,7 @@ class Past:
 def bus_throughput() -> None:
     # (batch, new tokens per row, hidden): decode b1, decode b8, prefill 128, prefill 8 x 128
     sizes = [(1, 1, 768), (8, 1, 768), (1, 128, 768), (8, 128, 768)]
+    sizes = [s for s in sizes if ARGS.sizes is None or s[0] * s[1] * s[2] * 4 // 1024 in ARGS.sizes]
     torch.set_num_threads(1)
     print(f"\n## bus throughput: fp32 [rows, 768] captures through the hook path into a Subscriber in another "
           f"process, against raw pyzmq XPUB -> SUB (recv_multipart) of the same bytes, zero-copy of one buffer "
@@ -437,6 +438,8 @@ if __name__ == "__main__":
                     help="probebus's max_delay: steps held for one send while no subscriber is live; 0 sends "
                          "every step at its end (default: %(default)s, as probe.attach)")
     ap.add_argument("--skip-bus", action="store_true", help="only the decode overhead")
+    ap.add_argument("--sizes", type=int, nargs="+", choices=[3, 24, 384, 3072],
+                    help="bus throughput payloads in KiB (default: all four)")
     ARGS = ap.parse_args()
     if "plain" not in ARGS.modes:
         ARGS.modes.insert(0, "plain")

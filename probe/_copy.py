@@ -45,20 +45,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ._bundle import Bundler, GroupError
 from ._identity import StepIdentity
 from ._publisher import ZERO_COPY_MIN, Publisher
 from ._staging import ALIGN, StagingRing
-from ._wire import (
-    BUNDLE_MAX,
-    BUNDLE_TOPIC,
-    DTYPE_CODE,
-    LENGTH,
-    MAGIC,
-    VERSION,
-    encode_envelope,
-    entry_struct,
-    head_struct,
-)
+from ._wire import DTYPE_CODE, MAGIC, VERSION, encode_envelope, head_struct
 
 _DTYPE_INFO = {d: (c, d.itemsize) for d, c in DTYPE_CODE.items()}
 _ARENA_START, _ARENA_MAX = 256 << 10, 16 << 20  # bytes of a step's held small captures (see `capture`)
@@ -74,17 +65,22 @@ def _dtype_info(dt: torch.dtype) -> tuple[int, int]:
     return got
 
 
-def _host_bytes(address: int, nbytes: int) -> ctypes.Array:
-    """The `nbytes` at `address` in this process as a buffer, for one copy while the tensor is alive.
-
-    A numpy view of a tensor (`t.numpy()`) costs ~0.7 us per call, a tenth of a decode-step capture's whole
-    hook; this ~0.3 us. Only for contiguous CPU tensors, whose bytes are exactly [data_ptr, +nbytes)."""
+def _chars(nbytes: int) -> type:
+    """The ctypes type of `nbytes` raw bytes (cached: small captures come in few sizes)."""
     chars = _CHARS.get(nbytes)
     if chars is None:
         chars = ctypes.c_char * nbytes
         if len(_CHARS) < 256:
             _CHARS[nbytes] = chars
-    return chars.from_address(address)
+    return chars
+
+
+def _host_bytes(address: int, nbytes: int) -> ctypes.Array:
+    """The `nbytes` at `address` in this process as a buffer, for one copy while the tensor is alive.
+
+    A numpy view of a tensor (`t.numpy()`) costs ~0.7 us per call, a tenth of a decode-step capture's whole
+    hook; this ~0.3 us. Only for contiguous CPU tensors, whose bytes are exactly [data_ptr, +nbytes)."""
+    return _chars(nbytes).from_address(address)
 
 
 def _host_rows(t: torch.Tensor) -> np.ndarray:
@@ -123,11 +119,8 @@ class CopyPath:
         self._cuda_device = cuda_device
         self._step_copies: list[_DeviceCopy] = []  # device copies of the running step, not yet marked
         self._device: deque[tuple[object, list[_DeviceCopy]]] = deque()  # (event after them, copies) per step
-        self._bundle = bytearray(BUNDLE_TOPIC)  # small captures of this step, each length-prefixed frame 0
-        self._meta: list[tuple[bytes, int, int]] = []  # and per capture in it: topic, payload bytes, seq
-        self._sealed: list[tuple[bytearray, list[tuple[bytes, int, int]]]] = []  # full bundles of this step
         self._seq: dict[bytes, int] = {}  # per site: captures staged so far (the next one's seq)
-        self._entry: dict[bytes, struct.Struct] = {}  # per site: the struct of its bundle entries' start
+        self._bundler = Bundler(run, self._seq)  # the step's small captures
         self._head: dict[bytes, struct.Struct] = {}  # per site: the struct of its large captures' frame start
         self._warned: set[str] = set()
         # The common small capture (every row real, contiguous, on the host) copies its bytes here at once and
@@ -176,15 +169,16 @@ class CopyPath:
         """A step's deferred captures (site, tensor, its version at the hook), in hook order, at the step's end.
 
         Returns what failed: (site, exception), or (site, None) for a tensor written since its hook (dropped).
-        The common capture (every row real, a host tensor of the step's rows, under 64 KiB) goes into the
-        bundle in one copy; the checks run once per distinct shape and dtype (a decode step's sites share
-        them). Anything else takes `capture`'s general path."""
+        Runs of the common capture (every row real, a host tensor of the step's rows, under 64 KiB, the same
+        shape and dtype: a decode step's sites) go into the bundle as one group, one copy each; the checks
+        run once per run. Anything else takes `capture`'s general path, in order."""
         failed: list[tuple[SiteKey, Exception | None]] = []
         sent_ns = time.time_ns()  # one stamp: they leave together
         last: tuple = ()
         fast: tuple | None = None
+        run: list[tuple[SiteKey, object]] = []  # the current run of common captures, not yet in the bundle
         for key, t, version in items:
-            before, ours = self.captured, False
+            before = self.captured
             try:
                 if t._version != version:
                     self.captured += 1
@@ -193,6 +187,9 @@ class CopyPath:
                     continue
                 shape, dt = t.shape, t.dtype
                 if last != (shape, dt):
+                    if run:
+                        self._group(ident, fast, run, sent_ns, failed)  # type: ignore[arg-type]
+                        run = []
                     last, fast = (shape, dt), None
                     info = _DTYPE_INFO.get(dt)
                     if len(shape) == 3 and ident.valid is None and info is not None:
@@ -200,20 +197,33 @@ class CopyPath:
                         nbytes = n * shape[2] * info[1]
                         if index is None and n and nbytes < ZERO_COPY_MIN and nbytes == t.nbytes:
                             fast = (info[0], shape[2], n, tokens, nbytes)
+                            at_address = _chars(nbytes).from_address
                 if fast is not None and t.is_cpu and t.is_contiguous():
-                    ours = True
-                    self.captured += 1
-                    dtype, hidden, n, tokens, nbytes = fast
-                    self._bundle_entry(key, ident, dtype, hidden, n, tokens, _host_bytes(t.data_ptr(), nbytes),
-                                       nbytes, sent_ns)
-                else:
-                    self.capture(key, t, ident, hold=False)  # counts a failure itself
+                    run.append((key, at_address(t.data_ptr())))  # the tensor's own bytes: copied once, into the bundle
+                    continue
+                if run:
+                    self._group(ident, fast, run, sent_ns, failed)  # type: ignore[arg-type]
+                    run = []
+                self.capture(key, t, ident, hold=False)  # counts a failure itself
             except Exception as exc:  # the step's other captures still go out
-                if ours or self.captured == before:
+                if self.captured == before:
                     self.captured = before + 1
                     self.dropped += 1
                 failed.append((key, exc))
+        if run:
+            self._group(ident, fast, run, sent_ns, failed)  # type: ignore[arg-type]
         return failed
+
+    def _group(self, ident: StepIdentity, fast: tuple[int, int, int, bytes, int], run: list[tuple[SiteKey, object]],
+               sent_ns: int, failed: list[tuple[SiteKey, Exception | None]]) -> None:
+        """Bundle a run of common captures as one group; counts them, and what a failure dropped."""
+        dtype, hidden, n, tokens, nbytes = fast
+        self.captured += len(run)
+        try:
+            self._bundler.group(ident, dtype, hidden, n, tokens, nbytes, run, sent_ns)
+        except GroupError as exc:
+            self.dropped += len(run) - exc.written
+            failed.extend((key, exc.__cause__) for key, _ in run[exc.written:])  # type: ignore[misc]
 
     def _capture_now(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity) -> None:
         shape = t.shape
@@ -238,7 +248,7 @@ class CopyPath:
                 if index is not None:
                     rows = rows.reshape(batch * seq_len, -1).take(index, axis=0)
                 data = np.ascontiguousarray(rows).data
-            self._bundle_entry(key, ident, dtype, hidden, n, tokens, data, nbytes, time.time_ns())
+            self._bundler.entry(key, ident, dtype, hidden, n, tokens, data, nbytes, time.time_ns())
             return
         rows = _host_rows(t).reshape(batch * seq_len, -1)
         topic = key.topic
@@ -274,57 +284,46 @@ class CopyPath:
             raise
         self.ring.release(off, None if held is False else held)
 
-    def _bundle_entry(self, key: SiteKey, ident: StepIdentity, dtype: int, hidden: int, n: int, tokens: bytes,
-                      data: object, nbytes: int, sent_ns: int) -> None:
-        """Append one small capture to the step's bundle (sent with the step's others at its end)."""
-        topic = key.topic
-        seq = self._seq.get(topic, 0)
-        self._seq[topic] = seq + 1
-        entry = self._entry.get(topic)
-        if entry is None:
-            entry = self._entry[topic] = entry_struct(len(topic), len(self.run))
-        size = entry.size - LENGTH.size + len(tokens) + nbytes
-        buf = self._bundle
-        if self._meta and len(buf) + size > BUNDLE_MAX:  # full: sealed, and sent with the rest at the end
-            self._sealed.append((buf, self._meta))
-            buf = self._bundle = bytearray(BUNDLE_TOPIC)
-            self._meta = []
-        # One pack writes the entry's length, the site, the header and the run id (encode_head's layout).
-        buf += entry.pack(size, topic, MAGIC, VERSION, ident.phase, dtype, ident.step, key.layer, hidden, n,
-                          len(self.run), len(topic), seq, sent_ns, self.run)
-        buf += tokens
-        buf += data  # type: ignore[operator]
-        self._meta.append((topic, nbytes, seq))
-
     def _pack_held(self) -> None:
         """Put the captures `capture` held (their bytes already in the arena) into the bundle, in order."""
         held, self._held = self._held, []
         arena = memoryview(self._arena)
         sent_ns = time.time_ns()  # one stamp: they leave together
-        last: tuple = ()  # (ident, shape) of the entry before: a decode step's captures share its rows
+        last: tuple = ()  # (ident, shape, dtype) of the capture before: a decode step's captures share them
+        fast: tuple = ()
+        run: list[tuple[SiteKey, object]] = []  # consecutive captures of one (ident, shape, dtype): one group
+        run_ident = None
+        failed: list[tuple[SiteKey, Exception | None]] = []
         for key, t, ident, at, nbytes in held:
-            counted = False
             try:
                 shape, dt = t.shape, t.dtype
-                if last != (ident, shape):
-                    last = (ident, shape)
+                if last != (ident, shape, dt):
+                    if run:
+                        self._group(run_ident, fast, run, sent_ns, failed)  # type: ignore[arg-type]
+                        run = []
+                    last = (ident, shape, dt)
                     hidden = shape[-1]
                     # The rows `_capture_now` would see: it reshapes any other rank to [batch, -1, hidden].
                     seq_len = shape[1] if len(shape) == 3 else math.prod(shape) // (ident.batch * hidden)
                     index, tokens, n = ident.rows(seq_len)
+                    dtype, itemsize = _dtype_info(dt)
+                    fast, run_ident = (dtype, hidden, n, tokens, n * hidden * itemsize), ident
+                    if n and index is not None:
+                        raise ValueError(f"a {tuple(shape)} activation does not match the step's {ident.batch} rows")
                 if n == 0:
                     continue
-                self.captured += 1
-                counted = True
-                dtype, itemsize = _dtype_info(dt)
-                if index is not None or n * hidden * itemsize != nbytes:
+                if nbytes != fast[4]:
                     raise ValueError(f"a {tuple(shape)} activation does not match the step's {ident.batch} rows")
-                self._bundle_entry(key, ident, dtype, hidden, n, tokens, arena[at : at + nbytes], nbytes, sent_ns)
+                run.append((key, arena[at : at + nbytes]))
             except Exception as exc:  # the step's other captures still go out
                 last = ()
-                self.captured += not counted  # counted once, whatever raised
+                self.captured += 1
                 self.dropped += 1
-                self._warn_once(repr(type(exc)), f"probebus: capture of {key.name} failed and was dropped: {exc!r}")
+                failed.append((key, exc))
+        if run:
+            self._group(run_ident, fast, run, sent_ns, failed)  # type: ignore[arg-type]
+        for key, exc in failed:
+            self._warn_once(repr(type(exc)), f"probebus: capture of {key.name} failed and was dropped: {exc!r}")
         self._arena_used = 0
         if self._arena_short:  # it ran out this step: twice the size from the next one (within a bound)
             self._arena_short = False
@@ -353,12 +352,7 @@ class CopyPath:
         """
         if self._held:
             self._pack_held()
-        bundles = self._sealed
-        if self._meta:
-            bundles.append((self._bundle, self._meta))
-            self._bundle, self._meta = bytearray(BUNDLE_TOPIC), []
-        if bundles:
-            self._sealed = []
+        bundles = self._bundler.take()
         if bundles or self.pub.held:
             self.pub.send_bundles(bundles, hold=hold)
 
@@ -455,8 +449,8 @@ class CopyPath:
 
     @property
     def queued(self) -> int:
-        return (sum(len(c) for _, c in self._device) + len(self._step_copies) + len(self._meta) + len(self._held)
-                + sum(len(m) for _, m in self._sealed) + self.pub.held)
+        return (sum(len(c) for _, c in self._device) + len(self._step_copies) + len(self._held) + self._bundler.queued
+                + self.pub.held)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

@@ -74,8 +74,8 @@ from ._wire import (
     INFO_TOPIC,
     LIVE_PRESENCE,
     PRESENCE,
+    capture_frames,
     encode_control,
-    split_bundle,
 )
 
 # Plain ints: zmq's flags are IntFlag enums, and `|` on them costs ~0.5 us on the hot path.
@@ -271,7 +271,7 @@ class Publisher:
             self.published += len(meta)
             self.bytes += total
             return
-        entries = split_bundle(memoryview(bundle))
+        entries = capture_frames(memoryview(bundle))  # groups expanded: one frame 0 per capture
         self._send_each([(site, e, nbytes, seq) for (site, nbytes, seq), e in zip(meta, entries, strict=True)])
 
     def _send_each(self, frames: list[tuple[bytes, memoryview, int, int]]) -> None:

@@ -44,6 +44,7 @@ from ._wire import (
     WireError,
     decode_control,
     decode_fields,
+    decode_group,
     split_bundle,
 )
 
@@ -233,14 +234,19 @@ class Subscriber:
         except WireError as exc:
             return self._malformed(exc.kind, str(exc))
         held = self._held
-        for entry in entries:  # each entry is one capture's frame 0, payload inline (no frame list to build)
+        admit = self._admit
+        for entry in entries:  # one capture's frame 0 (payload inline), or a group of them
             try:
-                cap = self._admit(_decode(entry, None))
+                if entry[0] == 0:
+                    caps = [Capture(*fields) for fields in decode_group(entry)]
+                else:
+                    caps = [_decode(entry, None)]
             except WireError as exc:
                 self._wire_error(exc)
                 continue
-            if cap is not None:
-                held.append(cap)
+            for cap in caps:
+                if admit(cap) is not None:
+                    held.append(cap)
         return None
 
     def _accept(self, frames: list) -> Capture | None:

@@ -14,6 +14,7 @@ import probe
 from probe._copy import _ARENA_START, CopyPath, SiteKey
 from probe._identity import IdentityTracker
 from probe._publisher import Publisher
+from probe._wire import BUNDLE_MAX, split_bundle
 
 
 def _key(i: int, name: str = "resid_post") -> SiteKey:
@@ -141,3 +142,42 @@ def test_a_held_capture_of_a_dtype_the_wire_lacks_is_counted_and_dropped(bus) ->
     assert [c.site for c in got] == ["layers.1.resid_post"]
     assert (path.captured, path.dropped, pub.published) == (2, 1, 1)
     assert any("cannot be published" in str(w.message) for w in caught), caught
+
+
+def test_a_deferred_step_goes_out_as_groups_within_the_bundle_limit(bus) -> None:  # noqa: ANN001
+    """A decode step's captures of one shape share one header and the token ids (a group); a step larger than a
+    bundle is split into groups of several bundles, none over the limit, and arrives whole, in order, bit-exact."""
+    pub, path, sub = bus
+    ident = _decode_step(IdentityTracker(np.empty(0, dtype=np.int64)), 8)
+    tensors = [torch.randn(8, 1, 128) for _ in range(40)]  # 4 KiB each: 160 KiB, three bundles
+    items = [(_key(i), t, t._version) for i, t in enumerate(tensors)]
+    odd = torch.randn(8, 1, 64)  # another shape in the middle: a group of its own
+    items.insert(20, (_key(99, "attn_out"), odd, odd._version))
+    assert path.capture_deferred(items, ident) == []
+    bundler = path._bundler
+    bundles = bundler.sealed + [(bundler.buf, bundler.meta)]
+    assert len(bundles) == 3 and all(len(buf) <= BUNDLE_MAX for buf, _ in bundles)
+    entries = [e for buf, _ in bundles for e in split_bundle(memoryview(buf))]
+    assert all(e[0] == 0 for e in entries) and len(entries) == 5  # groups only: the first shape split in two, the odd one, the rest split in two
+    got = _finish(pub, path, sub)
+    want = [(k.name, t) for k, t, _ in items]
+    assert [c.site for c in got] == [name for name, _ in want]
+    assert all(torch.equal(c.tensor, t.reshape(8, -1)) for c, (_, t) in zip(got, want, strict=True))
+    assert all(c.token_ids.tolist() == list(range(100, 108)) and c.positions.tolist() == [7] * 8 for c in got)
+    assert path.captured == pub.published == 41 and path.dropped == 0
+
+
+def test_a_group_member_that_fails_leaves_the_group_whole_and_the_counts_exact(bus) -> None:  # noqa: ANN001
+    """A member whose bytes cannot be appended (here: not a buffer) ends its group there: the members before it
+    are sent, it and the rest are counted dropped, and the bundle stays well-formed."""
+    pub, path, sub = bus
+    ident = _decode_step(IdentityTracker(np.empty(0, dtype=np.int64)), 2)
+    good = torch.randn(2, 1, 16)
+    run = [(_key(0), good.numpy().tobytes()), (_key(1), object()), (_key(2), good.numpy().tobytes())]
+    failed: list = []
+    path._group(ident, (1, 16, 2, ident.rows(1)[1], good.nbytes), run, 0, failed)
+    assert [k.name for k, _ in failed] == ["layers.1.resid_post", "layers.2.resid_post"]
+    assert isinstance(failed[0][1], TypeError)
+    got = _finish(pub, path, sub)
+    assert [c.site for c in got] == ["layers.0.resid_post"] and torch.equal(got[0].tensor, good.reshape(2, 16))
+    assert (path.captured, path.dropped, pub.published) == (3, 2, 1) and sub.stats.malformed == 0

@@ -21,7 +21,18 @@ import zmq
 from models import build
 
 import probe
-from probe._wire import BUNDLE_TOPIC, ERROR_KINDS, HEADER, MAGIC, VERSION, encode_bundle, encode_envelope
+from probe._wire import (
+    BUNDLE_TOPIC,
+    ERROR_KINDS,
+    GROUP,
+    HEADER,
+    MAGIC,
+    VERSION,
+    decode_group,
+    encode_bundle,
+    encode_envelope,
+    encode_group,
+)
 
 READER = textwrap.dedent("""
     import json, sys, time, probe
@@ -309,15 +320,36 @@ def test_a_hundred_thousand_hostile_frames() -> None:
     tokens = np.zeros((3, 2), np.int64).tobytes()
     good = encode_envelope(b"run", b"layers.1.resid_post", 1, 1, 7, 1, 4, tokens, b"\0" * 32)
     at = len(b"layers.1.resid_post") + 1
+    members = [(b"layers.1.resid_post", 0, b"\0" * 32), (b"layers.2.resid_post", 0, b"\1" * 32)]
+    group = encode_group(b"run", 1, 1, 7, 4, tokens, members)
+    fields = decode_group(memoryview(group))  # (site, layer, phase, step, run, dtype, hidden, n, tokens, payload, ...)
+    assert [(f[0], f[1], f[3], bytes(f[9])) for f in fields] == [
+        ("layers.1.resid_post", 1, 7, b"\0" * 32), ("layers.2.resid_post", 2, 7, b"\1" * 32)]
+
+    def lying_group() -> bytes:  # a group whose header or members lie, inside a well-framed bundle
+        count_at = GROUP.size - 10
+        body = rng.choice([
+            group[: rng.randrange(1, len(group) - 1)],  # truncated
+            group[:count_at] + rng.choice([0, 3, 65535]).to_bytes(2, "little") + group[count_at + 2 :],  # count
+            group[:17] + (2**32 - 1).to_bytes(4, "little") + group[21:],  # absurd hidden
+            group + rng.randbytes(rng.randrange(1, 9)),  # bytes after the last member
+            group[:-60] + bytes([rng.choice([0, 60, 255])]) + group[-59:],  # the last member's name length lies
+            group[:5] + (VERSION + 1).to_bytes(2, "little") + group[7:],  # another version
+        ])
+        return encode_bundle([body])
 
     def hostile(i: int) -> list[bytes]:
         kind = i % 10
+        if kind == 8 and i % 20 == 18:
+            return [lying_group()]
         if kind == 0:
             return [rng.randbytes(rng.randrange(1, 200))]
         if kind == 1:
             return [good[: rng.randrange(0, len(good) - 1)]]
-        if kind == 2:
-            return [good[: at + 4] + rng.randrange(3, 65535).to_bytes(2, "little") + good[at + 6 :]]
+        if kind == 2:  # any version but ours
+            version = rng.randrange(65535)
+            version += version >= VERSION
+            return [good[: at + 4] + version.to_bytes(2, "little") + good[at + 6 :]]
         if kind == 3:  # absurd n_tokens / hidden: must be refused before anything is allocated
             head = HEADER.pack(MAGIC, VERSION, 1, 1, 7, 1, 2**32 - 1, 2**32 - 1, 3, 19, 0, 0)
             return [good[:at] + head + good[at + HEADER.size :]]
