@@ -170,6 +170,16 @@ class ProbeSession:
             self._hooks.change("remove", self._paused)
             self.publisher.flush_held()  # nothing waits for a step that may not come soon
 
+    def flush(self) -> None:
+        """Send the decode steps held for a later burst now, instead of once they are a linger old.
+
+            out = model.generate(...)
+            session.flush()       # every captured step is on its way to the subscribers
+
+        From any thread. A step still running keeps its captures until its end, as always."""
+        if not self._closed:
+            self.publisher.flush_held()
+
     def resume(self) -> None:
         """Put back the taps `pause()` took off."""
         if self._paused is not None and not self._closed:

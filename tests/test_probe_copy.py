@@ -158,7 +158,8 @@ def test_a_deferred_step_goes_out_as_groups_within_the_bundle_limit(bus) -> None
     bundles = bundler.sealed + [(bundler.buf, bundler.meta)]
     assert len(bundles) == 3 and all(len(buf) <= BUNDLE_MAX for buf, _ in bundles)
     entries = [e for buf, _ in bundles for e in split_bundle(memoryview(buf))]
-    assert all(e[0] == 0 for e in entries) and len(entries) == 5  # groups only: the first shape split in two, the odd one, the rest split in two
+    # groups only: the first shape's split in two, the odd one, the rest split in two
+    assert all(e[0] == 0 for e in entries) and len(entries) == 5
     got = _finish(pub, path, sub)
     want = [(k.name, t) for k, t, _ in items]
     assert [c.site for c in got] == [name for name, _ in want]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -58,6 +59,28 @@ def test_steps_are_held_and_leave_together_once_a_linger_old_with_no_further_ste
         msgs = _data_messages(raw)
         assert len(msgs) == 1 and msgs[0][0].startswith(b"\x00probebus/bundle"), len(msgs)  # 4 steps, one send
     assert sub.stats.missed == 0
+
+
+def test_flush_sends_the_held_steps_now() -> None:
+    """`session.flush()` sends what the linger holds at once (a caller that has finished generating does not wait
+    the linger out), from another thread too, and the held steps arrive whole and in order."""
+    model = build("llama")
+    n = model.config.num_hidden_layers
+    with probe.attach(model, "layers.*.resid_post", max_delay=30.0) as session:
+        session.publisher._adapt(1.0)  # as if a held send had cost 1 s: linger 30 s
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for(sub, timeout=10)
+        _forward(model, 3)
+        assert session.stats.published == 0 and session.stats.queued == 3 * n
+        assert sub.recv(timeout=0.3) is None  # held
+        flusher = threading.Thread(target=session.flush)
+        flusher.start()
+        flusher.join()
+        caps = [sub.recv(timeout=5) for _ in range(3 * n)]
+        assert all(c is not None for c in caps)
+        want = [(s, f"layers.{i}.resid_post") for s in range(1, 4) for i in range(n)]
+        assert [(c.step, c.site) for c in caps] == want
+        assert session.stats.queued == 0 and session.stats.published == 3 * n
 
 
 def test_a_live_subscriber_gets_every_step_at_its_end_and_holding_resumes_when_it_leaves() -> None:
