@@ -89,30 +89,29 @@ class Bundler:
         ids once). Returns how many went in: all of them, unless a member's bytes could not be appended, which
         leaves the bundle well-formed without it and the rest, and is raised again as `GroupError(written)`."""
         head, run, seqs, structs = self._group, self.run, self.seqs, self._member
-        size = head.size + len(tokens)
-        for key, _ in members:
-            m = structs.get(key.topic)
-            if m is None:
-                m = structs[key.topic] = member_struct(len(key.topic))
-            size += m.size + nbytes
-        if len(self.buf) + size <= BUNDLE_MAX:  # the common case: the whole group in one join and one append
-            parts = [head.pack(size - LENGTH.size, MAGIC, VERSION, ident.phase, dtype, ident.step, hidden, n, len(run),
-                               len(members), sent_ns, run), tokens]
-            added: Meta = []
-            for key, data in members:
-                topic = key.topic
-                seq = seqs.get(topic, 0)
-                seqs[topic] = seq + 1
-                parts += (structs[topic].pack(len(topic), topic, seq), data)
-                added.append((topic, nbytes, seq))
-            try:
+        added: Meta = []
+        try:
+            size = head.size + len(tokens)
+            for key, _ in members:
+                m = structs.get(key.topic)
+                if m is None:
+                    m = structs[key.topic] = member_struct(len(key.topic))
+                size += m.size + nbytes
+            if len(self.buf) + size <= BUNDLE_MAX:  # the common case: the whole group in one join and one append
+                parts = [head.pack(size - LENGTH.size, MAGIC, VERSION, ident.phase, dtype, ident.step, hidden, n,
+                                   len(run), len(members), sent_ns, run), tokens]
+                for key, data in members:
+                    topic = key.topic
+                    seq = seqs.get(topic, 0)
+                    seqs[topic] = seq + 1
+                    added.append((topic, nbytes, seq))
+                    parts += (structs[topic].pack(len(topic), topic, seq), data)
                 self.buf += b"".join(parts)  # one copy: appending each part reallocated the growing bundle
-            except BaseException:
-                for topic, _, seq in reversed(added):  # nothing went in: the careful path finds which one fails
-                    seqs[topic] = seq
-                return self._group_each(ident, dtype, hidden, n, tokens, nbytes, members, sent_ns)
-            self.meta += added
-            return len(members)
+                self.meta += added
+                return len(members)
+        except Exception:
+            for topic, _, seq in reversed(added):  # nothing went in: the careful path finds what fails, and where
+                seqs[topic] = seq
         return self._group_each(ident, dtype, hidden, n, tokens, nbytes, members, sent_ns)
 
     def _group_each(self, ident: StepIdentity, dtype: int, hidden: int, n: int, tokens: bytes, nbytes: int,
@@ -150,9 +149,12 @@ class Bundler:
                 meta.append((topic, nbytes, seq))
                 count += 1
                 written += 1
-        except BaseException as exc:
+        except Exception as exc:
             self._end_group(buf, start, count)
             raise GroupError(written) from exc
+        except BaseException:  # KeyboardInterrupt and the like: the bundle stays well-formed, and it goes on up
+            self._end_group(buf, start, count)
+            raise
         self._end_group(buf, start, count)
         return written
 

@@ -4,6 +4,7 @@ Real sockets: a Publisher and a Subscriber over loopback TCP, the copy path betw
 
 from __future__ import annotations
 
+import struct
 import warnings
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import probe
+from probe._bundle import Bundler, GroupError
 from probe._copy import _ARENA_START, CopyPath, SiteKey
 from probe._identity import IdentityTracker
 from probe._publisher import Publisher
@@ -182,3 +184,15 @@ def test_a_group_member_that_fails_leaves_the_group_whole_and_the_counts_exact(b
     got = _finish(pub, path, sub)
     assert [c.site for c in got] == ["layers.0.resid_post"] and torch.equal(got[0].tensor, good.reshape(2, 16))
     assert (path.captured, path.dropped, pub.published) == (3, 2, 1) and sub.stats.malformed == 0
+
+
+def test_a_group_whose_header_cannot_be_packed_leaves_nothing_behind() -> None:
+    """A group header that does not fit its fields (a width over u32) raises GroupError(0): no byte of it is in the
+    bundle and no site's sequence number moved, so the next capture of each site gets the number it would have."""
+    ident = _decode_step(IdentityTracker(np.empty(0, dtype=np.int64)), 1)
+    bundler = Bundler(b"r1", {})
+    members = [(_key(0), b"\0" * 8), (_key(1), b"\0" * 8)]
+    with pytest.raises(GroupError) as err:
+        bundler.group(ident, 1, 2**32, 1, ident.rows(1)[1], 8, members, 0)
+    assert err.value.written == 0 and isinstance(err.value.__cause__, struct.error)
+    assert bundler.seqs == {} and bundler.take() == []
