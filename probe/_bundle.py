@@ -7,8 +7,9 @@
 
 A bundle is at most `BUNDLE_MAX` bytes (one capture may exceed it alone): a capture that does not
 fit seals the bundle and starts the next, and a group that does not fit is split into two. This
-runs on the model's thread at a step's end, from caches the model's layers have just flushed, so
-each capture here is one pack and two appends.
+runs on the model's thread at a step's end, from caches the model's layers have just flushed: a
+group that fits is packed as a list of parts and appended with one join (a pack per capture, one
+copy of its bytes); one that does not, or one that fails, goes member by member (`_group_each`).
 """
 
 from __future__ import annotations
