@@ -176,6 +176,8 @@ def test_tree_sampling_in_the_loop_follows_the_target_and_a_biased_rule_fails(me
         drafter = MedusaFeeder(heads.bind_target(model))
     else:
         drafter = Eagle3Drafter(Eagle3Config.for_target(model.config, aux_layer_ids=[1, 2, 3])).bind_target(model)
+        with torch.no_grad():  # a peaked q, far from p: the biased rule shows in 300 draws instead of 1250
+            drafter.lm_head.weight.mul_(4.0)
     prompt = [1, 2, 3, 1, 2]
     exact = _exact_pair(model, prompt)
 
@@ -189,14 +191,17 @@ def test_tree_sampling_in_the_loop_follows_the_target_and_a_biased_rule_fails(me
                 drafted += out.stats.drafted
         return counts, trees, drafted
 
-    counts, trees, drafted = pairs(CALLS)
-    assert trees >= CALLS and drafted > trees  # several nodes per tree
+    counts, trees, drafted = pairs(CALLS[method])
+    assert trees >= CALLS[method] and drafted > trees  # several nodes per tree
     assert _p_value(counts, exact) > 1e-3
     monkeypatch.setattr(tree_round, "verify_drawn_tree", _biased_drawn)
     biased, _, _ = pairs(CONTROL_CALLS[method])
     assert _p_value(biased, exact) < 1e-6
 
 
-CALLS = 1600  # 2500 before; the biased rule below already fails at p < 1e-5 with 1000 draws
-# Draws for the biased rule's negative control: p = 2e-10 (Medusa) at 250; EAGLE-3 7e-6 at 1000, 3e-9 at 1250.
-CONTROL_CALLS = {"medusa": 250, "eagle3": 1250}
+# Draws for the biased rule's negative control: p = 2e-10 (Medusa) at 250; EAGLE-3 3e-37 at 300 (its lm_head
+# scaled 4x; unscaled it took 1250 draws for 3e-9).
+CONTROL_CALLS = {"medusa": 250, "eagle3": 300}
+# Draws for the exact rule: at least the control's, so the test shown to catch the biased rule has at least
+# that power against the real one (1600 for both before, 2500 before that).
+CALLS = {"medusa": 600, "eagle3": 600}
