@@ -30,8 +30,8 @@ from ._wire import (
 )
 
 if TYPE_CHECKING:
-    from ._copy import SiteKey
     from ._identity import StepIdentity
+    from ._sites import SiteKey
 
 Meta = list[tuple[bytes, int, int]]
 

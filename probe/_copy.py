@@ -1,6 +1,6 @@
 """The copy path: valid rows of one activation -> one message handed to ZeroMQ.
 
-    path = CopyPath(publisher, run=b"r1", capacity=64 << 20, cuda=False)
+    path = CopyPath(publisher, run=b"r1", capacity=64 << 20, cuda_device=None)
     path.capture(key, tensor, identity)        # from a hook, on the model's thread
     path.flush_device(block=True)              # CUDA: send what the device has copied
 
@@ -18,12 +18,9 @@ single-threaded numpy: torch's `copy_` runs in the intra-op OpenMP pool, and an
 OpenMP region waiting on a core that a subscriber holds cost 7.8 ms instead of 13 us
 for 384 KiB (measured on the 2-core machine).
 
-On CUDA the rows are gathered on the device and copied non-blocking into the pinned
-ring, in the model's own stream order; one event per step marks them, and they are
-sent (a header frame, then the payload zero-copy) at a later step boundary once it has
-completed, so the model's thread never waits for the copy. (A side stream with an
-event per capture cost 6 CUDA calls per capture and measured +40 % on an H200 at batch
-1: the host, not the GPU, is the bottleneck of a decode step there.)
+On CUDA the copies are queued in the model's stream and sent once they have landed
+(`_device_copy.py`). A step's small captures that wait for its end are packed there in
+one loop (`_held.py`, a mixin of `CopyPath`).
 
 Memory: staged payloads stay within `capacity` bytes; a capture larger than the whole
 ring is sent alone from a one-off buffer under `complete` (the hook waits for ZeroMQ to
@@ -35,81 +32,27 @@ this process until the step ends (under 64 KiB each, one per site).
 from __future__ import annotations
 
 import ctypes
-import math
 import struct
 import time
 import warnings
-from collections import deque
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ._bundle import Bundler, GroupError
+from ._bundle import Bundler
+from ._device_copy import DeviceCopies
+from ._held import HeldCaptures
+from ._host import dtype_info, host_bytes, host_rows
 from ._identity import StepIdentity
 from ._publisher import ZERO_COPY_MIN, Publisher
+from ._sites import SiteKey
 from ._staging import ALIGN, StagingRing
-from ._wire import DTYPE_CODE, MAGIC, VERSION, encode_envelope, head_struct
+from ._wire import MAGIC, VERSION, encode_envelope, head_struct
 
-_DTYPE_INFO = {d: (c, d.itemsize) for d, c in DTYPE_CODE.items()}
-_ARENA_START, _ARENA_MAX = 256 << 10, 16 << 20  # bytes of a step's held small captures (see `capture`)
 _memmove = ctypes.memmove
-_CHARS: dict[int, type] = {}  # nbytes -> ctypes char array type (bounded: small captures come in few sizes)
 
 
-def _dtype_info(dt: torch.dtype) -> tuple[int, int]:
-    """(wire dtype code, item size); TypeError for a dtype the wire has no code for."""
-    got = _DTYPE_INFO.get(dt)
-    if got is None:
-        raise TypeError(f"dtype {dt} cannot be published")
-    return got
-
-
-def _chars(nbytes: int) -> type:
-    """The ctypes type of `nbytes` raw bytes (cached: small captures come in few sizes)."""
-    chars = _CHARS.get(nbytes)
-    if chars is None:
-        chars = ctypes.c_char * nbytes
-        if len(_CHARS) < 256:
-            _CHARS[nbytes] = chars
-    return chars
-
-
-def _host_bytes(address: int, nbytes: int) -> ctypes.Array:
-    """The `nbytes` at `address` in this process as a buffer, for one copy while the tensor is alive.
-
-    A numpy view of a tensor (`t.numpy()`) costs ~0.7 us per call, a tenth of a decode-step capture's whole
-    hook; this ~0.3 us. Only for contiguous CPU tensors, whose bytes are exactly [data_ptr, +nbytes)."""
-    return _chars(nbytes).from_address(address)
-
-
-def _host_rows(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor (bf16 as int16: numpy has no bf16, the bits move unchanged)."""
-    src = t.detach() if t.requires_grad else t  # detach alone costs ~3 us per call
-    if src.dtype == torch.bfloat16:
-        src = src.view(torch.int16)
-    return src.numpy()
-
-
-class SiteKey(NamedTuple):
-    name: str
-    topic: bytes
-    layer: int
-
-
-class _DeviceCopy(NamedTuple):
-    key: SiteKey
-    step: int
-    phase: int
-    dtype: int
-    hidden: int
-    tokens: bytes
-    off: int | None  # ring slot, or None for a one-off buffer
-    data: np.ndarray
-    failed: bool = False  # the capture failed: nothing to send, the slot only waits for the step's event
-
-
-class CopyPath:
+class CopyPath(HeldCaptures):
     def __init__(self, publisher: Publisher, *, run: bytes, capacity: int, cuda_device: torch.device | None) -> None:
         self.pub = publisher
         self.run = run
@@ -117,20 +60,14 @@ class CopyPath:
         self.captured = 0
         self.dropped = 0  # dropped here: no ring space under best_effort, or a failed copy
         self._cuda_device = cuda_device
-        self._step_copies: list[_DeviceCopy] = []  # device copies of the running step, not yet marked
-        self._device: deque[tuple[object, list[_DeviceCopy]]] = deque()  # (event after them, copies) per step
+        self._device = None if cuda_device is None else DeviceCopies(cuda_device)
         self._seq: dict[bytes, int] = {}  # per site: captures staged so far (the next one's seq)
         self._bundler = Bundler(run, self._seq)  # the step's small captures
         self._head: dict[bytes, struct.Struct] = {}  # per site: the struct of its large captures' frame start
         self._warned: set[str] = set()
-        # The common small capture (every row real, contiguous, on the host) copies its bytes here at once and
-        # is packed into the bundle at the step's end (`_pack_held`): see `capture`.
-        self._arena = np.empty(_ARENA_START, dtype=np.uint8)
-        self._arena_at = self._arena.ctypes.data
-        self._arena_size = _ARENA_START
-        self._arena_used = 0
-        self._arena_short = False  # a capture found it full this step: it grows at the step's end
-        self._held: list[tuple[SiteKey, torch.Tensor, StepIdentity, int, int]] = []  # key, tensor, ident, at, bytes
+        # The common small capture (every row real, contiguous, on the host) copies its bytes into the arena at
+        # once and is packed into the bundle at the step's end (`_held.py`): see `capture`.
+        self._init_arena()
 
     def capture(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity, *, hold: bool = True) -> None:
         """Stage one capture. One that fails is counted (captured and dropped) here, and its exception raised
@@ -164,67 +101,6 @@ class CopyPath:
             self.dropped += 1
             raise
 
-    def capture_deferred(self, items: list[tuple[SiteKey, torch.Tensor, int]],
-                         ident: StepIdentity) -> list[tuple[SiteKey, Exception | None]]:
-        """A step's deferred captures (site, tensor, its version at the hook), in hook order, at the step's end.
-
-        Returns what failed: (site, exception), or (site, None) for a tensor written since its hook (dropped).
-        Runs of the common capture (every row real, a host tensor of the step's rows, under 64 KiB, the same
-        shape and dtype: a decode step's sites) go into the bundle as one group, one copy each; the checks
-        run once per run. Anything else takes `capture`'s general path, in order."""
-        failed: list[tuple[SiteKey, Exception | None]] = []
-        sent_ns = time.time_ns()  # one stamp: they leave together
-        last: tuple = ()
-        fast: tuple | None = None
-        run: list[tuple[SiteKey, object]] = []  # the current run of common captures, not yet in the bundle
-        for key, t, version in items:
-            before = self.captured
-            try:
-                if t._version != version:
-                    self.captured += 1
-                    self.dropped += 1
-                    failed.append((key, None))
-                    continue
-                shape, dt = t.shape, t.dtype
-                if last != (shape, dt):
-                    if run:
-                        self._group(ident, fast, run, sent_ns, failed)  # type: ignore[arg-type]
-                        run = []
-                    last, fast = (shape, dt), None
-                    info = _DTYPE_INFO.get(dt)
-                    if len(shape) == 3 and ident.valid is None and info is not None:
-                        index, tokens, n = ident.rows(shape[1])
-                        nbytes = n * shape[2] * info[1]
-                        if index is None and n and nbytes < ZERO_COPY_MIN and nbytes == t.nbytes:
-                            fast = (info[0], shape[2], n, tokens, nbytes)
-                            at_address = _chars(nbytes).from_address
-                if fast is not None and t.is_cpu and t.is_contiguous():
-                    run.append((key, at_address(t.data_ptr())))  # the tensor's own bytes: copied once, into the bundle
-                    continue
-                if run:
-                    self._group(ident, fast, run, sent_ns, failed)  # type: ignore[arg-type]
-                    run = []
-                self.capture(key, t, ident, hold=False)  # counts a failure itself
-            except Exception as exc:  # the step's other captures still go out
-                if self.captured == before:
-                    self.captured = before + 1
-                    self.dropped += 1
-                failed.append((key, exc))
-        if run:
-            self._group(ident, fast, run, sent_ns, failed)  # type: ignore[arg-type]
-        return failed
-
-    def _group(self, ident: StepIdentity, fast: tuple[int, int, int, bytes, int], run: list[tuple[SiteKey, object]],
-               sent_ns: int, failed: list[tuple[SiteKey, Exception | None]]) -> None:
-        """Bundle a run of common captures as one group; counts them, and what a failure dropped."""
-        dtype, hidden, n, tokens, nbytes = fast
-        self.captured += len(run)
-        try:
-            self._bundler.group(ident, dtype, hidden, n, tokens, nbytes, run, sent_ns)
-        except GroupError as exc:
-            self.dropped += len(run) - exc.written
-            failed.extend((key, exc.__cause__) for key, _ in run[exc.written:])  # type: ignore[misc]
-
     def _capture_now(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity) -> None:
         shape = t.shape
         if len(shape) != 3:
@@ -234,23 +110,29 @@ class CopyPath:
         index, tokens, n = ident.rows(seq_len)
         if n == 0:
             return
-        dtype, itemsize = _dtype_info(t.dtype)
+        dtype, itemsize = dtype_info(t.dtype)
         self.captured += 1
         nbytes = n * hidden * itemsize
         if t.is_cuda:
-            self._capture_cuda(key, t, ident, index, tokens, n, dtype, nbytes)
+            off, data = self._slot(nbytes)
+            if data is None:
+                self.dropped += 1
+                return
+            if self._device is None:  # a CUDA activation of a model whose first parameter is on the host
+                self._device = DeviceCopies(t.device)
+            self._device.capture(key, t, ident, index, tokens, n, dtype, off, data)
             return
         if nbytes < ZERO_COPY_MIN:  # copied into the step's bundle; sent with the step's others at its end
             if index is None and t.is_cpu and t.is_contiguous():
-                data = _host_bytes(t.data_ptr(), nbytes)  # every row: the tensor's own bytes, no numpy view
+                data = host_bytes(t.data_ptr(), nbytes)  # every row: the tensor's own bytes, no numpy view
             else:
-                rows = _host_rows(t)
+                rows = host_rows(t)
                 if index is not None:
                     rows = rows.reshape(batch * seq_len, -1).take(index, axis=0)
                 data = np.ascontiguousarray(rows).data
             self._bundler.entry(key, ident, dtype, hidden, n, tokens, data, nbytes, time.time_ns())
             return
-        rows = _host_rows(t).reshape(batch * seq_len, -1)
+        rows = host_rows(t).reshape(batch * seq_len, -1)
         topic = key.topic
         head = self._head.get(topic)
         if head is None:
@@ -283,53 +165,6 @@ class CopyPath:
             self.ring.release(off)  # the ring frees in order: a slot left staged would block it for good
             raise
         self.ring.release(off, None if held is False else held)
-
-    def _pack_held(self) -> None:
-        """Put the captures `capture` held (their bytes already in the arena) into the bundle, in order."""
-        held, self._held = self._held, []
-        arena = memoryview(self._arena)
-        sent_ns = time.time_ns()  # one stamp: they leave together
-        last: tuple = ()  # (ident, shape, dtype) of the capture before: a decode step's captures share them
-        fast: tuple = ()
-        run: list[tuple[SiteKey, object]] = []  # consecutive captures of one (ident, shape, dtype): one group
-        run_ident = None
-        failed: list[tuple[SiteKey, Exception | None]] = []
-        for key, t, ident, at, nbytes in held:
-            try:
-                shape, dt = t.shape, t.dtype
-                if last != (ident, shape, dt):
-                    if run:
-                        self._group(run_ident, fast, run, sent_ns, failed)  # type: ignore[arg-type]
-                        run = []
-                    last = (ident, shape, dt)
-                    hidden = shape[-1]
-                    # The rows `_capture_now` would see: it reshapes any other rank to [batch, -1, hidden].
-                    seq_len = shape[1] if len(shape) == 3 else math.prod(shape) // (ident.batch * hidden)
-                    index, tokens, n = ident.rows(seq_len)
-                    dtype, itemsize = _dtype_info(dt)
-                    fast, run_ident = (dtype, hidden, n, tokens, n * hidden * itemsize), ident
-                    if n and index is not None:
-                        raise ValueError(f"a {tuple(shape)} activation does not match the step's {ident.batch} rows")
-                if n == 0:
-                    continue
-                if nbytes != fast[4]:
-                    raise ValueError(f"a {tuple(shape)} activation does not match the step's {ident.batch} rows")
-                run.append((key, arena[at : at + nbytes]))
-            except Exception as exc:  # the step's other captures still go out
-                last = ()
-                self.captured += 1
-                self.dropped += 1
-                failed.append((key, exc))
-        if run:
-            self._group(run_ident, fast, run, sent_ns, failed)  # type: ignore[arg-type]
-        for key, exc in failed:
-            self._warn_once(repr(type(exc)), f"probebus: capture of {key.name} failed and was dropped: {exc!r}")
-        self._arena_used = 0
-        if self._arena_short:  # it ran out this step: twice the size from the next one (within a bound)
-            self._arena_short = False
-            if self._arena_size < _ARENA_MAX:
-                self._arena = np.empty(min(2 * self._arena_size, _ARENA_MAX), dtype=np.uint8)
-                self._arena_at, self._arena_size = self._arena.ctypes.data, len(self._arena)
 
     @staticmethod
     def _copy_rows(rows: np.ndarray, index: np.ndarray | None, dst: np.ndarray, n: int) -> None:
@@ -402,55 +237,21 @@ class CopyPath:
         elif held is not None:  # a one-off buffer larger than the ring: memory stays bounded only if we wait
             pub.backpressure(lambda: held.done)
 
-    def _capture_cuda(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity, index: np.ndarray | None,
-                      tokens: bytes, n: int, dtype: int, nbytes: int) -> None:
-        batch, seq_len, hidden = t.shape
-        off, data = self._slot(nbytes)
-        if data is None:
-            self.dropped += 1
-            return
-        copy = _DeviceCopy(key, ident.step, ident.phase, dtype, hidden, tokens, off, data)
-        try:
-            self._device_rows(t, None if index is None else ident.device_index(seq_len), data, n)
-        except BaseException:
-            # The ring frees in order, so a slot left staged would block it for good; a copy may already be
-            # queued into it, so it is freed at the step's event like the others, and never sent.
-            self._step_copies.append(copy._replace(failed=True))
-            raise
-        self._step_copies.append(copy)
-
-    @staticmethod
-    def _device_rows(t: torch.Tensor, index: torch.Tensor | None, data: np.ndarray, n: int) -> None:
-        """Gather the valid rows on the device and queue their copy into `data` (pinned), non-blocking."""
-        hidden = t.shape[-1]
-        src = t.detach().reshape(-1, hidden)
-        rows = src if index is None else src.index_select(0, index)
-        dst = torch.from_numpy(data).view(t.dtype).view(n, hidden)
-        dst.copy_(rows, non_blocking=True)  # the model's stream: ordered after the layer, no record_stream needed
-
     def flush_device(self, block: bool) -> None:
-        """Send, in order, the device copies that have landed (all of them when `block`; else at a step's end)."""
+        """Send the step's small captures; on CUDA also the device copies that have landed (all when `block`)."""
         self.flush(hold=not block)
-        if self._step_copies:  # one event marks every copy of the step
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._cuda_device))
-            self._device.append((event, self._step_copies))
-            self._step_copies = []
-        pending = self._device
-        while pending and (block or pending[0][0].query()):  # type: ignore[attr-defined]
-            event, copies = pending.popleft()
-            event.synchronize()  # type: ignore[attr-defined]
-            for c in copies:
-                if c.failed:
-                    if c.off is not None:
-                        self.ring.release(c.off)
-                    continue
+        if self._device is None:
+            return
+        for c in self._device.landed(block):
+            if not c.failed:
                 self._send_staged(c.key, c.step, c.phase, c.dtype, c.hidden, c.tokens, c.off, c.data)
+            elif c.off is not None:  # nothing to send: the slot only waited for the step's event
+                self.ring.release(c.off)
 
     @property
     def queued(self) -> int:
-        return (sum(len(c) for _, c in self._device) + len(self._step_copies) + len(self._held) + self._bundler.queued
-                + self.pub.held)
+        device = 0 if self._device is None else self._device.queued
+        return device + len(self._held) + self._bundler.queued + self.pub.held
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from ._arch import Arch
-from ._copy import CopyPath, SiteKey
+from ._copy import CopyPath
 from ._identity import PREFILL, IdentityTracker, StepIdentity, cache_length
 from ._publisher import Publisher
-from ._sites import site_layer
+from ._sites import SiteKey
 
 _TAPS = "_probebus_taps"  # a tapped module's `_Taps`, in its __dict__
 DEFER_ROWS = 64  # steps of at most this many rows (decode steps) are captured at their end (see `Hooks`)
@@ -171,7 +171,7 @@ class Hooks:
                     self.active.add(site)
                     continue
                 point = self.arch.locate(site)
-                key = SiteKey(site, site.encode(), site_layer(site))
+                key = SiteKey.of(site)
                 pre = point.kind == "pre"
                 self._handles[site] = tap(point.module, self._site_hook(key, pre), pre=pre)
                 self.active.add(site)

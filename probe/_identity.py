@@ -259,3 +259,16 @@ class IdentityTracker:
             valid = None if new.all() else new.astype(bool)
         self._expect_width = width
         return positions, valid
+
+
+def stop_tokens(model: torch.nn.Module) -> np.ndarray:
+    """Token ids that `generate` keeps feeding a finished row (EOS, pad): those rows are not published."""
+    cfg = getattr(model, "generation_config", None)
+    ids: list[int] = []
+    for name in ("eos_token_id", "pad_token_id"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, (list, tuple)):
+            ids.extend(int(x) for x in v)
+    return np.array(sorted(set(ids)), dtype=np.int64)

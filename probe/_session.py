@@ -16,14 +16,10 @@ subscriptions. Removing the last site gives every module its own forward back.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import shutil
 import socket
-import tempfile
 import time
 import uuid
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +31,9 @@ from torch import nn
 from . import _discovery
 from ._arch import SiteError, resolve_arch
 from ._copy import CopyPath
+from ._endpoint import bind_address, remove_private
 from ._hooks import Hooks
+from ._identity import stop_tokens
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
 from ._sites import expand_sites
 from ._subscriber import Subscriber
@@ -67,22 +65,6 @@ class ProbeStats:
     degraded: bool = False
 
 
-def _check_endpoint(endpoint: str, allow_remote: bool) -> None:
-    if not endpoint.startswith("tcp://"):
-        return
-    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-    loopback = host == "localhost"
-    try:
-        loopback = loopback or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    if not loopback and not allow_remote:
-        raise ValueError(
-            f"refusing to bind {endpoint!r}: hidden states leak prompts. Bind tcp://127.0.0.1:PORT or "
-            "an ipc:// path, or pass allow_remote=True (with curve_secret_key) to expose it on purpose."
-        )
-
-
 class ProbeSession:
     """Probes attached to one model. Create with `probe.attach`."""
 
@@ -98,16 +80,8 @@ class ProbeSession:
         self.run = run or uuid.uuid4().hex[:12]
         self._started = time.time()
         self._config_hash = _discovery.config_hash(getattr(model, "config", None))  # once: it costs ~1 ms
-        self._ipc_dir: str | None = None
-        if endpoint is None:
-            if os.name == "nt":
-                endpoint = "tcp://127.0.0.1:*"
-            else:  # mkdtemp makes a 0700 directory: only this user can connect
-                self._ipc_dir = tempfile.mkdtemp(prefix="probebus-")
-                endpoint = f"ipc://{self._ipc_dir}/bus"
-        _check_endpoint(endpoint, allow_remote)
-        if allow_remote and curve_secret_key is None and endpoint.startswith("tcp://"):
-            warnings.warn("binding without CURVE: anyone who can reach this port can read activations", stacklevel=3)
+        endpoint, self._ipc_dir = bind_address(endpoint, allow_remote=allow_remote,
+                                               curve=curve_secret_key is not None)
         param = next(model.parameters(), None)
         cuda = param.device if param is not None and param.is_cuda else None
         if sndhwm is None:  # small messages queued in ZeroMQ then stay within about capacity_bytes
@@ -117,7 +91,7 @@ class ProbeSession:
                                    max_delay=max_delay)
         self._copy = CopyPath(self.publisher, run=self.run.encode(), capacity=capacity_bytes, cuda_device=cuda)
         self.ring = self._copy.ring
-        stop = _stop_tokens(model) if strip_finished else np.empty(0, dtype=np.int64)
+        stop = stop_tokens(model) if strip_finished else np.empty(0, dtype=np.int64)
         self._hooks = Hooks(model, self.arch, self._copy, self.publisher, stop)
         self._closed = False
         self._paused: list[str] | None = None  # the sites a pause took off, until resume()
@@ -274,8 +248,7 @@ class ProbeSession:
             self.publisher.close({"run": self.run, "captured": s.captured, "published": s.published,
                                   "dropped": s.dropped}, timeout)
             _discovery.unregister(self._registered)
-            if self._ipc_dir:  # the bound socket keeps working after its path is gone
-                shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            remove_private(self._ipc_dir)
         return self.stats
 
     def join(self, timeout: float | None = None) -> bool:
@@ -300,19 +273,6 @@ class ProbeSession:
             info = self.info
             self.publisher.set_info(info.to_dict())
             _discovery.register(info)
-
-
-def _stop_tokens(model: nn.Module) -> np.ndarray:
-    """Token ids that `generate` keeps feeding a finished row (EOS, pad): those rows are not published."""
-    cfg = getattr(model, "generation_config", None)
-    ids: list[int] = []
-    for name in ("eos_token_id", "pad_token_id"):
-        v = getattr(cfg, name, None)
-        if isinstance(v, int):
-            ids.append(v)
-        elif isinstance(v, (list, tuple)):
-            ids.extend(int(x) for x in v)
-    return np.array(sorted(set(ids)), dtype=np.int64)
 
 
 def _version() -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from ._arch import GLOBAL_HEAD, GLOBAL_TAIL, LAYER_SITES, Arch, SiteError
 
@@ -89,6 +90,18 @@ def expand_sites(arch: Arch, sites: str | Iterable[str]) -> list[str]:
             raise SiteError(f"{pat!r} selects no layer; the model has {arch.n_layers} layers")
         chosen.update(f"layers.{i}.{n}" for i in layers for n in names)
     return [s for s in available if s in chosen]
+
+
+class SiteKey(NamedTuple):
+    """A site as the copy path keys it: its name, the name as the wire's topic, its layer (-1: global)."""
+
+    name: str
+    topic: bytes
+    layer: int
+
+    @classmethod
+    def of(cls, site: str) -> SiteKey:
+        return cls(site, site.encode(), site_layer(site))
 
 
 def site_layer(site: str) -> int:

@@ -36,9 +36,7 @@ only a layer whose successor runs on another pipeline stage sums its pair itself
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import tempfile
 import time
 import uuid
 from array import array
@@ -51,11 +49,12 @@ from torch import nn
 
 from . import _discovery
 from ._arch import LAYER_SITES, ArchitectureError, SiteError
-from ._copy import CopyPath, SiteKey
+from ._copy import CopyPath
+from ._endpoint import bind_address, remove_private
 from ._hooks import tap
 from ._identity import DECODE, PREFILL, StepIdentity
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher, parent_cpus
-from ._sites import site_layer
+from ._sites import SiteKey
 from ._wire import VERSION
 
 _MAX_REQUESTS = 10_000  # request-map entries kept in the session info (oldest dropped first)
@@ -96,7 +95,7 @@ class VllmArch:
 
     def hook(self, site: str, fn: object) -> object:
         """Register the hook that hands `fn(key, tensor)` this site's tensor; returns its handle."""
-        key = SiteKey(site, site.encode(), site_layer(site))
+        key = SiteKey.of(site)
         if site == "embed":
             return tap(self.embed, partial(_out, fn, key), pre=False)
         if site == "final_norm":
@@ -153,7 +152,7 @@ class VllmProbe:
 
     def __init__(self, worker: object, sites: list[str], *, endpoint: str | None, policy: str, run: str,
                  capacity_bytes: int, stall_timeout: float | None, model_name: str,
-                 io_cpus: list[int] | None = None, max_delay: float = MAX_DELAY_S) -> None:
+                 io_cpus: list[int] | None = None, max_delay: float = MAX_DELAY_S, allow_remote: bool = False) -> None:
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         runner = worker.model_runner  # type: ignore[attr-defined]
@@ -184,9 +183,7 @@ class VllmProbe:
         self.endpoint = ""
         if not self.publishing:
             return
-        if endpoint is None:
-            self._ipc_dir = tempfile.mkdtemp(prefix="probebus-vllm-")
-            endpoint = f"ipc://{self._ipc_dir}/bus"
+        endpoint, self._ipc_dir = bind_address(endpoint, allow_remote=allow_remote, prefix="probebus-vllm-")
         cpus = spare_cpus() if io_cpus is None else set(io_cpus) or None
         self.publisher = Publisher(endpoint, run=run, policy=policy, sndhwm=max(64, capacity_bytes // ZERO_COPY_MIN),
                                    curve_secret_key=None, stall_timeout=stall_timeout, io_cpus=cpus,
@@ -330,8 +327,7 @@ class VllmProbe:
             self.publisher.close({"run": self.run, "captured": out["captured"], "published": out["published"],
                                   "dropped": out["dropped"]}, timeout)
             _discovery.unregister(self._registered)
-        if self._ipc_dir:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        remove_private(self._ipc_dir)
         return out
 
 

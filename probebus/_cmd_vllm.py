@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sites or patterns, comma-separated (default: %(default)s)")
     p.add_argument("--list", action="store_true", help="only list the model's sites")
     p.add_argument("--endpoint", help="where the workers bind (default: a private ipc:// path)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow an --endpoint other than loopback TCP (hidden states leak prompts: anyone who can "
+                        "reach the port reads them)")
     p.add_argument("--policy", choices=["complete", "best_effort"], default="best_effort",
                    help="complete: the server waits for slow subscribers; best_effort (default for a server): "
                    "it never waits, slow subscribers lose messages")
@@ -55,8 +58,9 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             return 0
         held = {} if args.max_delay is None else {"max_delay": args.max_delay}
         session = probe.vllm.attach(engine, [s.strip() for s in args.sites.split(",") if s.strip()],
-                                    endpoint=args.endpoint, policy=args.policy, **held)
-    except (RuntimeError, probe.SiteError, AttributeError) as exc:
+                                    endpoint=args.endpoint, policy=args.policy, allow_remote=args.allow_remote,
+                                    **held)
+    except (RuntimeError, ValueError, probe.SiteError, AttributeError) as exc:
         print(f"probebus attach: {exc}", file=sys.stderr)
         return 2
     out = {"run": session.run, "endpoint": session.endpoint, "sites": session.sites, "policy": session.policy}

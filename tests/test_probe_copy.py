@@ -13,9 +13,11 @@ import torch
 
 import probe
 from probe._bundle import Bundler, GroupError
-from probe._copy import _ARENA_START, CopyPath, SiteKey
+from probe._copy import CopyPath
+from probe._held import ARENA_START
 from probe._identity import IdentityTracker
 from probe._publisher import Publisher
+from probe._sites import SiteKey
 from probe._wire import BUNDLE_MAX, split_bundle
 
 
@@ -96,7 +98,7 @@ def test_held_captures_beyond_the_arena_all_arrive_in_order(bus) -> None:  # noq
     pub, path, sub = bus
     tracker = IdentityTracker(np.empty(0, dtype=np.int64))
     per = (60_000 // 4) // 8  # 8 rows of 1875 fp32: 60,000 bytes, under the 64 KiB of a small capture
-    n_sites = 2 * _ARENA_START // 60_000 + 1
+    n_sites = 2 * ARENA_START // 60_000 + 1
     sent = []
     for step in range(2):
         ident = _decode_step(tracker, 8, past=7 + step)
@@ -106,7 +108,7 @@ def test_held_captures_beyond_the_arena_all_arrive_in_order(bus) -> None:  # noq
             path.capture(_key(i), t, ident)
         path.flush_device(block=False)
         if step == 0:
-            assert path._arena_size > _ARENA_START
+            assert path._arena_size > ARENA_START
     got = _finish(pub, path, sub)
     assert [c.site for c in got] == [s for s, _ in sent]
     assert all(torch.equal(c.tensor, t) for c, (_, t) in zip(got, sent, strict=True))

@@ -37,7 +37,9 @@ def test_a_failed_cuda_capture_frees_its_ring_slot(monkeypatch) -> None:  # noqa
 
     model = build("llama").cuda()
     ids = (torch.arange(512) % 100 + 3).unsqueeze(0).cuda()  # 512 x 64 x 4 B = 128 KiB a capture
-    fail_first_copy(monkeypatch, "_device_rows")
+    from probe import _device_copy
+
+    fail_first_copy(monkeypatch, _device_copy, "_device_rows")
 
     def forward() -> None:
         with torch.no_grad():

@@ -66,6 +66,22 @@ def test_default_endpoint_is_private_and_remote_binds_are_refused() -> None:
     assert tapped(model) == 0
 
 
+def test_a_vllm_engine_refuses_remote_binds_too(capsys) -> None:  # noqa: ANN001
+    """The vLLM attach checks the endpoint before it asks any worker (no engine is needed to see it refuse):
+    from Python and from `probebus attach --vllm`, which reports it in one line."""
+    import probe.vllm
+    from probebus.cli import main
+
+    class Engine:  # never reached: the endpoint is refused first
+        def collective_rpc(self, method: str, args: tuple = ()) -> list:
+            raise AssertionError(f"{method} was called for a refused endpoint")
+
+    with pytest.raises(ValueError, match="refusing to bind"):
+        probe.vllm.attach(Engine(), "layers.*.resid_post", endpoint="tcp://0.0.0.0:5555")
+    assert main(["attach", "--vllm", "http://127.0.0.1:9", "--endpoint", "tcp://10.1.2.3:5555"]) == 2
+    assert "refusing to bind" in capsys.readouterr().err
+
+
 def test_wait_for_subscribers_times_out_clearly() -> None:
     with probe.attach(build("llama"), "embed") as session:
         with pytest.raises(TimeoutError, match="only 0 of 1 subscribers"):

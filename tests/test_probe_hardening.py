@@ -189,12 +189,10 @@ def test_captures_larger_than_the_ring_stay_bounded(tmp_path: Path) -> None:
     assert len(caps) == 20 and all(c.n_tokens == 1500 for c in caps) and grew < 40, grew
 
 
-def fail_first_copy(monkeypatch, name: str) -> None:  # noqa: ANN001
-    """Make `CopyPath.<name>` (a static copy helper) raise on its first call only: a copy that fails is a fault
-    we cannot cause for real."""
-    from probe._copy import CopyPath
-
-    real, calls = getattr(CopyPath, name), []
+def fail_first_copy(monkeypatch, owner: object, name: str) -> None:  # noqa: ANN001
+    """Make the copy helper `owner.<name>` (a static method of a class, or a module's function) raise on its first
+    call only: a copy that fails is a fault we cannot cause for real."""
+    real, calls = getattr(owner, name), []
 
     def fail_once(*args):  # noqa: ANN002, ANN202
         calls.append(1)
@@ -202,7 +200,7 @@ def fail_first_copy(monkeypatch, name: str) -> None:  # noqa: ANN001
             raise RuntimeError("injected copy failure")
         real(*args)
 
-    monkeypatch.setattr(CopyPath, name, staticmethod(fail_once))
+    monkeypatch.setattr(owner, name, staticmethod(fail_once) if isinstance(owner, type) else fail_once)
 
 
 def check_ring_survives_a_failed_capture(model: torch.nn.Module, forward) -> None:  # noqa: ANN001
@@ -223,7 +221,9 @@ def check_ring_survives_a_failed_capture(model: torch.nn.Module, forward) -> Non
 
 def test_a_failed_large_capture_frees_its_ring_slot(monkeypatch) -> None:  # noqa: ANN001
     model = build("llama")
-    fail_first_copy(monkeypatch, "_copy_rows")
+    from probe._copy import CopyPath
+
+    fail_first_copy(monkeypatch, CopyPath, "_copy_rows")
     check_ring_survives_a_failed_capture(model, lambda: _forward(model, 1, seq=512))  # 512 x 64 x 4 B = 128 KiB
 
 
