@@ -33,12 +33,14 @@ thread what this machine charges for a cross-core wake-up: 4-5 us back to back, 
 after a pause on the 2-core VM one day, and 1-2 ms on another, where waking the idle
 virtual CPU stalled the sender's (`benchmarks/wakeup.py`). So the linger adapts: it is 100
 times the median cost of the last 8 such sends (the bus's wake-ups stay near 1 % of the
-model thread's time), never under 50 ms and never over `max_delay` (0.5 s by default).
+model thread's time), never under 200 ms and never over `max_delay` (0.5 s by default).
+(Step against step, a 200 ms floor cost a batch-8 step 0.83-0.92 % against 1.22-1.65 % with
+50 ms, two interleaved pairs; the model's thread sent a third as often at batch 1.)
 A recorder or a live view loses nothing by it: the control thread sends what is held once
 it is a linger old, so a model that stops stepping strands nothing for longer than
 ~linger + 50 ms, and `close()` sends all of it before the end of stream. A live
 subscriber's presence switches holding off from the step at which the model's thread
-reads it (it reads subscriptions every 25 ms of steps; `wait_for_subscribers` reads them
+reads it (it reads subscriptions every 100 ms of steps; `wait_for_subscribers` reads them
 at once).
 
 Subscribers announce themselves with a private presence topic (counted by
@@ -80,11 +82,11 @@ from ._wire import (
 
 # Plain ints: zmq's flags are IntFlag enums, and `|` on them costs ~0.5 us on the hot path.
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-_SERVICE_EVERY_S = 0.025  # the model's thread looks for new subscriptions at most this often
+_SERVICE_EVERY_S = 0.1  # the model's thread looks for new subscriptions at most this often (a look: ~20 us)
 ZERO_COPY_MIN = 1 << 16  # below this a memcpy into ZeroMQ's message beats a tracker (measured 64 KiB ~ 10 us)
-_IDLE_S = 0.05  # the control thread's tick, and how recent a step must be for it to stay away
+_IDLE_S = 0.05  # the control thread's tick (it stays away while the model stepped within 2 x _SERVICE_EVERY_S)
 MAX_DELAY_S = 0.5  # default: the most held bundles may linger (no live subscriber)
-MIN_LINGER_S = 0.05  # held bundles linger at least this long (unless max_delay is shorter)
+MIN_LINGER_S = 0.2  # held bundles linger at least this long (unless max_delay is shorter)
 _WAKE_BUDGET = 100  # linger = this x a burst send's cost: the wake-ups take ~1 % of the model thread
 _HOLD_MAX = 1 << 20  # bytes of held bundles that go at once, whatever their age
 _UNFILTERED = {b"", INFO_TOPIC, END_TOPIC}  # subscriptions of subscribers that take every site
@@ -488,7 +490,7 @@ class Publisher:
             while not self._closing.wait(_IDLE_S):
                 if self._held and time.monotonic() - self._held_since >= self._linger:
                     self.flush_held(blocking=False)  # the model stopped stepping (or steps slowly): send them
-                if time.monotonic() - self.last_active < 2 * _IDLE_S:
+                if time.monotonic() - self.last_active < 2 * _SERVICE_EVERY_S:
                     continue  # the model's thread is stepping and reads subscriptions itself
                 if self.lock.acquire(blocking=False):
                     try:

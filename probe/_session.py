@@ -301,7 +301,7 @@ def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None
     strip_finished  in decode, rows whose fed token is EOS/pad (finished in generate) are not published.
     max_delay       the most seconds a decode step's small captures may wait to leave with later
                     steps' (one wake-up of ZeroMQ's I/O thread per batch of steps) while no subscriber
-                    is live (`Subscriber(live=True)`). They wait 50 ms, or longer where the machine
+                    is live (`Subscriber(live=True)`). They wait 200 ms, or longer where the machine
                     makes those wake-ups dear (100x their measured cost), up to this; 0 sends every
                     step at its end.
     """

@@ -11,7 +11,7 @@ Frames are validated before anything is built; a malformed message is counted in
 on the received ZeroMQ frame (no copy): it stays valid as long as the Capture or the
 tensor is referenced; `.clone()` it to keep a private copy.
 
-Latency: by default the session may hold a decode step's captures for its linger (50 ms,
+Latency: by default the session may hold a decode step's captures for its linger (200 ms,
 longer where wake-ups cost more, up to `max_delay`) to send several steps at once, which
 costs the model less. A subscriber that acts on every token (a drafter, a controller)
 passes `live=True`: while one is connected, every step goes out at its end.
