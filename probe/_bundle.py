@@ -14,7 +14,6 @@ copy of its bytes); one that does not, or one that fails, goes member by member 
 
 from __future__ import annotations
 
-import struct
 from typing import TYPE_CHECKING
 
 from ._wire import (
@@ -23,6 +22,7 @@ from ._wire import (
     LENGTH,
     MAGIC,
     VERSION,
+    PerSite,
     close_group,
     entry_struct,
     group_struct,
@@ -43,8 +43,8 @@ class Bundler:
         self.buf = bytearray(BUNDLE_TOPIC)
         self.meta: Meta = []  # per capture in `buf`: site, payload bytes, seq
         self.sealed: list[tuple[bytearray, Meta]] = []  # full bundles of this step
-        self._entry: dict[bytes, struct.Struct] = {}  # per site: the start of its entries
-        self._member: dict[bytes, struct.Struct] = {}  # per site: the start of its group members
+        self._entry = PerSite(lambda topic: entry_struct(len(topic), len(run)))  # the start of a site's entries
+        self._member = PerSite(lambda topic: member_struct(len(topic)))  # the start of a site's group members
         self._group = group_struct(len(run))
 
     @property
@@ -68,9 +68,7 @@ class Bundler:
               data: object, nbytes: int, sent_ns: int) -> None:
         """Append one capture as a frame 0 of its own (header, tokens, payload)."""
         topic = key.topic
-        entry = self._entry.get(topic)
-        if entry is None:
-            entry = self._entry[topic] = entry_struct(len(topic), len(self.run))
+        entry = self._entry[topic]
         size = entry.size - LENGTH.size + len(tokens) + nbytes
         buf = self.buf
         if self.meta and len(buf) + size > BUNDLE_MAX:
@@ -94,10 +92,7 @@ class Bundler:
         try:
             size = head.size + len(tokens)
             for key, _ in members:
-                m = structs.get(key.topic)
-                if m is None:
-                    m = structs[key.topic] = member_struct(len(key.topic))
-                size += m.size + nbytes
+                size += structs[key.topic].size + nbytes
             if len(self.buf) + size <= BUNDLE_MAX:  # the common case: the whole group in one join and one append
                 parts = [head.pack(size - LENGTH.size, MAGIC, VERSION, ident.phase, dtype, ident.step, hidden, n,
                                    len(run), len(members), sent_ns, run), tokens]
@@ -124,9 +119,7 @@ class Bundler:
         try:
             for key, data in members:
                 topic = key.topic
-                m = structs.get(topic)
-                if m is None:
-                    m = structs[topic] = member_struct(len(topic))
+                m = structs[topic]
                 size = m.size + nbytes
                 if start < 0 or len(buf) + size > BUNDLE_MAX:  # (re)open the group, in a new bundle if full
                     if start >= 0:

@@ -32,7 +32,6 @@ this process until the step ends (under 64 KiB each, one per site).
 from __future__ import annotations
 
 import ctypes
-import struct
 import time
 import warnings
 
@@ -47,7 +46,7 @@ from ._identity import StepIdentity
 from ._publisher import ZERO_COPY_MIN, Publisher
 from ._sites import SiteKey
 from ._staging import ALIGN, StagingRing
-from ._wire import MAGIC, VERSION, encode_envelope, head_struct
+from ._wire import MAGIC, VERSION, PerSite, encode_envelope, head_struct
 
 _memmove = ctypes.memmove
 
@@ -63,7 +62,7 @@ class CopyPath(HeldCaptures):
         self._device = None if cuda_device is None else DeviceCopies(cuda_device)
         self._seq: dict[bytes, int] = {}  # per site: captures staged so far (the next one's seq)
         self._bundler = Bundler(run, self._seq)  # the step's small captures
-        self._head: dict[bytes, struct.Struct] = {}  # per site: the struct of its large captures' frame start
+        self._head = PerSite(lambda topic: head_struct(len(topic), len(run)))  # a site's large captures' frame start
         self._warned: set[str] = set()
         # The common small capture (every row real, contiguous, on the host) copies its bytes into the arena at
         # once and is packed into the bundle at the step's end (`_held.py`): see `capture`.
@@ -134,9 +133,7 @@ class CopyPath(HeldCaptures):
             return
         rows = host_rows(t).reshape(batch * seq_len, -1)
         topic = key.topic
-        head = self._head.get(topic)
-        if head is None:
-            head = self._head[topic] = head_struct(len(topic), len(self.run))
+        head = self._head[topic]
         lead = head.size + len(tokens)  # frame 0 up to the payload
         pad = -lead % ALIGN  # the payload starts 64-byte aligned in the ring: a faster copy into it
         off, slot = self._slot(pad + lead + nbytes)

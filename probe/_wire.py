@@ -65,6 +65,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -100,7 +101,8 @@ BUNDLE_TOPIC = CONTROL + b"bundle "
 BUNDLE_MAX = 1 << 16  # bytes per bundle (one capture may exceed it alone): ZeroMQ's queue stays ~SNDHWM x 64 KiB
 LENGTH = struct.Struct("<I")
 GROUP = struct.Struct("<x4sHBBqIIHHQ")  # a group entry's start, after its length: 0x00 | GROUP
-_GROUP_COUNT_AT = LENGTH.size + struct.calcsize("<x4sHBBqIIH")  # count's offset from the entry's length
+# The member count is GROUP's last field but one (sent_ns, a Q, follows it): its offset from the entry's length.
+_GROUP_COUNT_AT = LENGTH.size + GROUP.size - struct.calcsize("<HQ")
 SEQ = struct.Struct("<Q")
 
 # A concrete site name as it may appear on the wire (the grammar of probe._sites, concrete form).
@@ -192,6 +194,18 @@ def split_bundle(buf: memoryview) -> list[memoryview]:
 def group_struct(run_len: int) -> struct.Struct:
     """A group entry's start as one struct: length u32 | 0x00 | GROUP | run (count and length patched at its end)."""
     return struct.Struct(f"<I{GROUP.format[1:]}{run_len}s")
+
+
+class PerSite(dict):
+    """A struct per site, made by `make(topic)` on first use: `structs[topic].pack(...)`, one lookup."""
+
+    def __init__(self, make: Callable[[bytes], struct.Struct]) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, topic: bytes) -> struct.Struct:
+        made = self[topic] = self.make(topic)
+        return made
 
 
 def member_struct(site_len: int) -> struct.Struct:
