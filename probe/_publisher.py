@@ -25,23 +25,7 @@ and never blocks, so one slow subscriber cannot starve the others.
 A step's small captures go out as one bundle (`_wire.py`) while no subscriber filters by
 site, else one message each so that ZeroMQ's per-site filtering keeps working.
 
-Unless a subscriber is *live* (`Subscriber(live=True)`: a drafter, a controller that acts
-on each token), the step's bundles are held and sent with later steps' once the oldest is
-old enough (the *linger*) or 1 MiB are held, like TCP's Nagle or Kafka's linger. The send
-that finds ZeroMQ's I/O thread asleep wakes it on another core, and that costs the model's
-thread what this machine charges for a cross-core wake-up: 4-5 us back to back, 60-96 us
-after a pause on the 2-core VM one day, and 1-2 ms on another, where waking the idle
-virtual CPU stalled the sender's (`benchmarks/wakeup.py`). So the linger adapts: it is 100
-times the median cost of the last 8 such sends (the bus's wake-ups stay near 1 % of the
-model thread's time), never under 200 ms and never over `max_delay` (0.5 s by default).
-(Step against step, a 200 ms floor cost a batch-8 step 0.83-0.92 % against 1.22-1.65 % with
-50 ms, two interleaved pairs; the model's thread sent a third as often at batch 1.)
-A recorder or a live view loses nothing by it: the control thread sends what is held once
-it is a linger old, so a model that stops stepping strands nothing for longer than
-~linger + 50 ms, and `close()` sends all of it before the end of stream. A live
-subscriber's presence switches holding off from the step at which the model's thread
-reads it (it reads subscriptions every 100 ms of steps; `wait_for_subscribers` reads them
-at once).
+Unless a subscriber is *live*, a step's bundles are held for a later send (`_linger.py`).
 
 Subscribers announce themselves with a private presence topic (counted by
 `wait_for_subscribers`); each new one triggers the session-info broadcast. The model's
@@ -58,20 +42,18 @@ from __future__ import annotations
 
 import atexit
 import os
-import statistics
 import threading
 import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import zmq
 
+from ._linger import MAX_DELAY_S, HeldBundles
+from ._placement import usable_cpus
 from ._wire import (
-    BUNDLE_MAX,
-    BUNDLE_TOPIC,
     END_TOPIC,
     INFO_TOPIC,
     LIVE_PRESENCE,
@@ -85,10 +67,6 @@ _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _SERVICE_EVERY_S = 0.1  # the model's thread looks for new subscriptions at most this often (a look: ~20 us)
 ZERO_COPY_MIN = 1 << 16  # below this a memcpy into ZeroMQ's message beats a tracker (measured 64 KiB ~ 10 us)
 _IDLE_S = 0.05  # the control thread's tick (it stays away while the model stepped within 2 x _SERVICE_EVERY_S)
-MAX_DELAY_S = 0.5  # default: the most held bundles may linger (no live subscriber)
-MIN_LINGER_S = 0.2  # held bundles linger at least this long (unless max_delay is shorter)
-_WAKE_BUDGET = 100  # linger = this x a burst send's cost: the wake-ups take ~1 % of the model thread
-_HOLD_MAX = 1 << 20  # bytes of held bundles that go at once, whatever their age
 _UNFILTERED = {b"", INFO_TOPIC, END_TOPIC}  # subscriptions of subscribers that take every site
 Frame = bytes | bytearray | memoryview
 
@@ -104,29 +82,7 @@ def _finish_lingering() -> None:
         pub._thread.join(max(0.0, pub._deadline - time.monotonic()) if pub.complete else 2.0)
 
 
-def parent_cpus() -> set[int] | None:
-    """The cores our parent process may use (a vLLM worker's engine, a launcher), or None if unknown."""
-    try:
-        return os.sched_getaffinity(os.getppid())
-    except OSError:
-        return None
-
-
-def _usable(cpus: set[int] | None) -> set[int] | None:
-    """The cores of `cpus` this process's threads may run on (ours, or our parent's), or None.
-
-    libzmq aborts the whole process when its I/O thread's affinity names no usable core
-    (`pthread_setaffinity_np` fails and it asserts), so a bad `io_cpus` is dropped here, with a warning."""
-    if not cpus:
-        return None
-    usable = os.sched_getaffinity(0) | (parent_cpus() or set())
-    if not set(cpus) & usable:
-        warnings.warn(f"probebus: io_cpus {sorted(cpus)} are not cores this process may use ({sorted(usable)}); "
-                      "the bus's threads stay on the process's own cores", stacklevel=3)
-    return (set(cpus) & usable) or None
-
-
-class Publisher:
+class Publisher(HeldBundles):
     def __init__(self, endpoint: str, *, run: str, policy: str, sndhwm: int, curve_secret_key: bytes | None,
                  stall_timeout: float | None, io_cpus: set[int] | None = None,
                  max_delay: float = MAX_DELAY_S) -> None:
@@ -143,17 +99,8 @@ class Publisher:
         self.subscribers: set[bytes] = set()
         self.topics: set[bytes] = set()  # distinct subscribed prefixes, presence topics aside
         self.bundling = True  # no subscriber filters by site: a step's small captures go as one message
-        self.max_delay = max(0.0, float(max_delay))
         self.live = False  # a live subscriber is present: every step's bundles go at its end
-        self._held: list[tuple[bytearray, list[tuple[bytes, int, int]]]] = []  # bundles waiting for later steps
-        self._held_bytes = 0
-        self._held_since = 0.0
-        self._held_count = 0  # captures in them
-        self._linger = min(self.max_delay, MIN_LINGER_S)  # how old held bundles get before they go (adapts)
-        self._burst_s: deque[float] = deque(maxlen=8)  # what the model thread's last held sends cost it
-        # Held by whoever hands held bundles to ZeroMQ (the model's thread, or the control thread for a model
-        # that stopped stepping), so that they leave in order and never interleave with newer ones.
-        self._order = threading.Lock()
+        self._init_held(max_delay)
         self.degraded = False
         self.last_active = 0.0
         self.info_body: dict = {}
@@ -163,7 +110,7 @@ class Publisher:
         self._closing = threading.Event()
         self._end_body: dict = {}
         self._deadline = float("inf")
-        self.io_cpus = _usable(io_cpus)
+        self.io_cpus = usable_cpus(io_cpus)
         self._ctx = zmq.Context(io_threads=1)
         for cpu in sorted(self.io_cpus or ()):  # before the first socket: libzmq starts its I/O thread there
             self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
@@ -185,73 +132,6 @@ class Publisher:
         self._thread.start()
 
     # --- the model's thread ----------------------------------------------------------------
-    def send_bundles(self, bundles: list[tuple[bytearray, list[tuple[bytes, int, int]]]], *,
-                     hold: bool = False) -> None:
-        """Hand bundles to ZeroMQ after any held before them; with `hold` (a step's end), keep them for a later
-        step's send unless a live subscriber is present or the oldest held is `max_delay` old."""
-        with self._order:
-            if hold and not self.live and self.max_delay > 0:
-                now = time.monotonic()
-                if not self._held:
-                    self._held_since = now
-                for buf, meta in bundles:
-                    self._hold(buf, meta)
-                if now - self._held_since < self._linger and self._held_bytes < _HOLD_MAX:
-                    return
-                t0 = time.perf_counter()
-                self._send_held()
-                self._adapt(time.perf_counter() - t0)
-                return
-            if self._held:
-                self._send_held()
-            for buf, meta in bundles:
-                self.send_bundle(buf, meta)
-
-    def _adapt(self, cost: float) -> None:
-        """Set the linger from what the model thread's held sends cost it (mostly the wake-up of ZeroMQ's I/O
-        thread on another core: microseconds on most machines, milliseconds on some VMs)."""
-        self._burst_s.append(cost)
-        wake = statistics.median(self._burst_s)
-        self._linger = min(self.max_delay, max(MIN_LINGER_S, _WAKE_BUDGET * wake))
-
-    @property
-    def linger(self) -> float:
-        """Seconds held bundles wait now before the model's thread sends them (no live subscriber)."""
-        return self._linger
-
-    @property
-    def held(self) -> int:
-        """Captures in bundles held for a later send."""
-        return self._held_count
-
-    def _hold(self, buf: bytearray, meta: list[tuple[bytes, int, int]]) -> None:
-        """Keep a bundle for later, appended to the last held one while that stays within BUNDLE_MAX."""
-        held = self._held
-        if held and len(held[-1][0]) + len(buf) - len(BUNDLE_TOPIC) <= BUNDLE_MAX:
-            held[-1][0].extend(memoryview(buf)[len(BUNDLE_TOPIC):])
-            held[-1][1].extend(meta)
-        else:
-            held.append((buf, meta))
-        self._held_bytes += len(buf)
-        self._held_count += len(meta)
-
-    def _send_held(self) -> None:
-        """Send every held bundle (under `_order`)."""
-        held = self._held
-        self._held, self._held_bytes, self._held_count = [], 0, 0
-        for buf, meta in held:
-            self.send_bundle(buf, meta)
-
-    def flush_held(self, *, blocking: bool = True) -> None:
-        """Send what is held now (close, pause; the control thread once it is a linger old)."""
-        if not self._held or not self._order.acquire(blocking=blocking):
-            return
-        try:
-            if self._held:
-                self._send_held()
-        finally:
-            self._order.release()
-
     def send_bundle(self, bundle: bytearray, meta: Sequence[tuple[bytes, int, int]]) -> None:
         """Send a step's small captures: `bundle` (BUNDLE_TOPIC + length-prefixed frames) as one message
         while nobody filters by site, else each frame alone; `meta` is (topic, payload bytes, seq) per frame."""

@@ -53,7 +53,8 @@ from ._copy import CopyPath
 from ._endpoint import bind_address, remove_private
 from ._hooks import tap
 from ._identity import DECODE, PREFILL, StepIdentity
-from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher, parent_cpus
+from ._placement import parent_cpus
+from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
 from ._sites import SiteKey
 from ._wire import VERSION
 
