@@ -10,7 +10,8 @@
 """
 
 from ._checkpoint import DrafterError, check_against_target, load_drafter, resolve_drafter_path, save_drafter
-from ._confidence import ConfidenceHead, train_confidence
+from ._confidence import ConfidenceHead
+from ._confidence_train import train_confidence
 from ._cost import CostModel
 from ._draft_model import DraftModelDrafter, LayerSkipDrafter, early_exit_view
 from ._dspark import DSparkConfig, DSparkFeeder, DSparkHead, load_dspark, save_dspark

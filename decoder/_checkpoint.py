@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ._confidence import ConfidenceHead
 from ._eagle import Eagle3Config, Eagle3Drafter, default_aux_layers
 
 log = logging.getLogger("decoder")
@@ -153,8 +154,6 @@ def _build(folder: Path, raw: dict, layer: dict, layout: str, target: nn.Module 
         drafter.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
         raise DrafterError(f"{folder} ({layout} layout) does not match an EAGLE-3 drafter: {exc}") from None
-    from ._confidence import ConfidenceHead
-
     object.__setattr__(drafter, "confidence", ConfidenceHead.load(folder, drafter))
     drafter.source = str(folder)
     if target is not None:
