@@ -3,7 +3,7 @@
     class CopyPath(HeldCaptures): ...         # `_copy.py`; the hooks call these on the model's thread
     path.capture(key, t, ident)               # a decode step's capture: its bytes go into the arena at once
     path.capture_deferred(items, ident)       # at a step's end: the tensors the hooks only noted
-    path.flush()                              # calls pack_held() first: the held captures go into the bundle
+    path.flush()                              # packs the held captures into the bundle first (`_pack_held`)
 
 Two ways a step's small captures wait for its end, where one loop packs them:
 - *held* (`CopyPath.capture`; the vLLM worker, `inference_mode` steps): the bytes are copied

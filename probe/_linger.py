@@ -14,8 +14,9 @@ after a pause on the 2-core VM one day, and 1-2 ms on another, where waking the 
 virtual CPU stalled the sender's (`benchmarks/wakeup.py`). So the linger adapts: it is 100
 times the median cost of the last 8 such sends (the bus's wake-ups stay near 1 % of the
 model thread's time), never under 200 ms and never over `max_delay` (0.5 s by default).
-(Step against step, a 200 ms floor cost a batch-8 step 0.83-0.92 % against 1.22-1.65 % with
-50 ms, two interleaved pairs; the model's thread sent a third as often at batch 1.)
+(With a 200 ms floor instead of 50 the model's thread sent held bundles a third as often at batch 1
+and half as often at batch 8, timed inside `generate`; step against step the A/B favoured it at batch 8,
+0.83-0.92 % against 1.22-1.65 %, within the run-to-run spread of about a point.)
 A recorder or a live view loses nothing by it: the control thread sends what is held once
 it is a linger old, so a model that stops stepping strands nothing for longer than
 ~linger + 50 ms, and `close()` sends all of it before the end of stream. A live
