@@ -338,6 +338,8 @@ def test_several_model_drafters_sample_the_target_distribution(monkeypatch) -> N
     the target's exact joint of two tokens, and the biased rule fails the same test."""
     model = _tiny(0, layers=6)
     eagle = Eagle3Drafter(Eagle3Config.for_target(model.config, aux_layer_ids=[1, 2, 3])).bind_target(model)
+    with torch.no_grad():  # a peaked q, far from p: the biased rule shows in fewer draws
+        eagle.lm_head.weight.mul_(4.0)
     drafters = [eagle, DraftModelDrafter(_tiny(1, layers=1)), _heads(model, 9, 0.5)["medusa"]]
     prompt = [1, 2, 3, 1, 2]
     exact = _exact_pair(model, prompt)
@@ -352,8 +354,8 @@ def test_several_model_drafters_sample_the_target_distribution(monkeypatch) -> N
                     used[name] = used.get(name, 0) + n
         return counts, used
 
-    counts, used = pairs(600)  # as many draws as the biased rule's control below (1300 before)
+    counts, used = pairs(300)  # as many draws as the biased rule's control below (1300, then 600 before)
     assert len(used) == 3 and min(used.values()) > 100, used  # every drafter drafted many rounds
     assert _p_value(counts, exact) > 1e-3
     monkeypatch.setattr(loop, "verify_rows", _biased_verify_rows)
-    assert _p_value(pairs(600)[0], exact) < 1e-6  # (p = 2e-12 at 600 draws, 3e-9 at 500)
+    assert _p_value(pairs(300)[0], exact) < 1e-6  # (p = 1e-10 at 300 draws with EAGLE-3's peaked head)
