@@ -107,8 +107,9 @@ class ArrowRecorder:
                  format: str = "arrow", rotate_bytes: int = 256 << 20, flush_bytes: int = 8 << 20,
                  flush_seconds: float = 0.25, max_pending_bytes: int = 64 << 20, model: Any = None,
                  metadata: dict[str, str] | None = None, drain_idle: float = 0.5, overwrite: bool = False,
-                 curve_server_key: bytes | None = None, manifest_interval: float = 0.5, tokenizer: Any = None,
-                 info_timeout: float = 2.0, require_session: bool = False) -> None:
+                 curve_server_key: bytes | str | None = None, manifest_interval: float = 0.5, tokenizer: Any = None,
+                 info_timeout: float = 2.0, require_session: bool = False,
+                 curve_client_key: tuple[bytes | str, bytes | str] | None = None) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         if rotate_bytes <= 0 or flush_bytes <= 0 or flush_seconds <= 0:
@@ -124,7 +125,10 @@ class ArrowRecorder:
         self.drain_idle = drain_idle
         self.overwrite = overwrite
         self.manifest_interval = manifest_interval
+        if curve_server_key is None and self._session is not None:  # our own CURVE session: its key
+            curve_server_key = self._session.curve_public_key
         self._curve = curve_server_key
+        self._curve_client = curve_client_key
         self._model, self._extra_meta = model, metadata
         self._token_text = TokenText(tokenizer) if tokenizer is not None else None
         self.info_timeout = info_timeout
@@ -168,7 +172,8 @@ class ArrowRecorder:
         if self._state != "new":
             raise RuntimeError("an ArrowRecorder records once; create a new one")
         try:
-            self._sub = probe.Subscriber(self.endpoint, self.sites, curve_server_key=self._curve)
+            self._sub = probe.Subscriber(self.endpoint, self.sites, curve_server_key=self._curve,
+                                         curve_client_key=self._curve_client)
         except zmq.ZMQError as exc:
             raise RecorderError(f"{self.endpoint!r} is not an endpoint ({exc}); expected e.g. "
                                 "ipc:///path/to/socket or tcp://127.0.0.1:5555 (`probebus top` lists live "

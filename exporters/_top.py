@@ -68,10 +68,13 @@ class _Counts:
 
 
 class TopMonitor:
-    def __init__(self, endpoint: str, sites: Any = None, *, window: float = 2.0) -> None:
+    def __init__(self, endpoint: str, sites: Any = None, *, window: float = 2.0,
+                 curve_server_key: bytes | str | None = None,
+                 curve_client_key: tuple[bytes | str, bytes | str] | None = None) -> None:
         self.endpoint = endpoint
         self.window = window
-        self.sub = probe.Subscriber(endpoint, sites)
+        self.sub = probe.Subscriber(endpoint, sites, curve_server_key=curve_server_key,
+                                    curve_client_key=curve_client_key)
         self.gaps = GapCounter()
         self.sites: dict[str, _Counts] = {}
         self.runs: set[str] = set()

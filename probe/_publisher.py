@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zmq
 
+from ._curve import admit_only
 from ._linger import MAX_DELAY_S, HeldBundles
 from ._placement import usable_cpus
 from ._wire import (
@@ -85,7 +86,7 @@ def _finish_lingering() -> None:
 class Publisher(HeldBundles):
     def __init__(self, endpoint: str, *, run: str, policy: str, sndhwm: int, curve_secret_key: bytes | None,
                  stall_timeout: float | None, io_cpus: set[int] | None = None,
-                 max_delay: float = MAX_DELAY_S) -> None:
+                 max_delay: float = MAX_DELAY_S, curve_clients: set[bytes] | None = None) -> None:
         old = _LINGERING.get(endpoint)
         if old is not None:  # our own closed socket may still hold this address for its end of stream
             old._thread.join(max(0.0, old._deadline - time.monotonic()))
@@ -115,15 +116,19 @@ class Publisher(HeldBundles):
         for cpu in sorted(self.io_cpus or ()):  # before the first socket: libzmq starts its I/O thread there
             self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         sock = self._ctx.socket(zmq.XPUB)
+        self._auth = None  # CURVE's ZAP handler when only some clients may read (`_curve.py`)
         try:
             sock.setsockopt(zmq.XPUB_NODROP, 1 if self.complete else 0)
             sock.setsockopt(zmq.SNDHWM, sndhwm)
             if curve_secret_key is not None:
+                if curve_clients is not None:
+                    self._auth = admit_only(self._ctx, curve_clients)
                 sock.curve_secretkey = curve_secret_key
                 sock.curve_server = True
             sock.bind(endpoint)
         except BaseException:
             sock.close(0)
+            self._stop_auth()
             self._ctx.term()
             raise
         self.sock = sock
@@ -381,7 +386,13 @@ class Publisher(HeldBundles):
         finally:
             with self.lock:
                 self.sock.close(0)
+            self._stop_auth()
             self._ctx.term()
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:  # its ZAP socket lives on our context: before term()
+            self._auth.stop()
+            self._auth = None
 
     def _end_of_stream(self) -> None:
         """Broadcast the end until every subscriber acknowledged (dropped its presence topic) or time ran out.

@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import zmq
 from torch import nn
 
 from . import _discovery
 from ._arch import SiteError, resolve_arch
 from ._copy import CopyPath
+from ._curve import Clients, curve_settings
 from ._endpoint import bind_address, remove_private
 from ._hooks import Hooks
 from ._identity import stop_tokens
@@ -70,8 +72,8 @@ class ProbeSession:
 
     def __init__(self, model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None, policy: str,
                  capacity_bytes: int, run: str | None, sndhwm: int | None, allow_remote: bool,
-                 curve_secret_key: bytes | None, strip_finished: bool, stall_timeout: float | None,
-                 max_delay: float = MAX_DELAY_S) -> None:
+                 curve_secret_key: bytes | str | None, strip_finished: bool, stall_timeout: float | None,
+                 max_delay: float = MAX_DELAY_S, curve_clients: Clients = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.model = model
@@ -80,6 +82,9 @@ class ProbeSession:
         self.run = run or uuid.uuid4().hex[:12]
         self._started = time.time()
         self._config_hash = _discovery.config_hash(getattr(model, "config", None))  # once: it costs ~1 ms
+        curve_secret_key, clients = curve_settings(curve_secret_key, curve_clients)
+        self.curve_public_key = None if curve_secret_key is None else zmq.curve_public(curve_secret_key)
+        """What subscribers pass as `curve_server_key` (Z85), or None without CURVE."""
         endpoint, self._ipc_dir = bind_address(endpoint, allow_remote=allow_remote,
                                                curve=curve_secret_key is not None)
         param = next(model.parameters(), None)
@@ -88,7 +93,7 @@ class ProbeSession:
             sndhwm = max(64, capacity_bytes // ZERO_COPY_MIN)
         self.publisher = Publisher(endpoint, run=self.run, policy=policy, sndhwm=sndhwm,
                                    curve_secret_key=curve_secret_key, stall_timeout=stall_timeout,
-                                   max_delay=max_delay)
+                                   max_delay=max_delay, curve_clients=clients)
         self._copy = CopyPath(self.publisher, run=self.run.encode(), capacity=capacity_bytes, cuda_device=cuda)
         self.ring = self._copy.ring
         stop = stop_tokens(model) if strip_finished else np.empty(0, dtype=np.int64)
@@ -283,8 +288,9 @@ def _version() -> str:
 
 def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None = None, policy: str = "complete",
            capacity_bytes: int = 64 << 20, run: str | None = None, sndhwm: int | None = None,
-           allow_remote: bool = False, curve_secret_key: bytes | None = None, strip_finished: bool = True,
-           stall_timeout: float | None = 60.0, max_delay: float = MAX_DELAY_S) -> ProbeSession:
+           allow_remote: bool = False, curve_secret_key: bytes | str | None = None, strip_finished: bool = True,
+           stall_timeout: float | None = 60.0, max_delay: float = MAX_DELAY_S,
+           curve_clients: Clients = None) -> ProbeSession:
     """Attach probes to `model` and start publishing; use as a context manager.
 
         with probe.attach(model, ["layers.*.resid_post", "logits"]) as s:
@@ -292,6 +298,10 @@ def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None
 
     endpoint        where to bind; default a private `ipc://` path (0700 directory).
                     Non-loopback TCP needs allow_remote=True (use curve_secret_key).
+    curve_secret_key  encrypt with CURVE; subscribers pass the matching public key
+                    (`Subscriber(curve_server_key=...)`). `curve_clients`: the only clients
+                    admitted (their public keys, or a folder of public certificates); without
+                    it any client that knows the server's public key may read (`_curve.py`).
     policy          "complete": nothing is lost; a subscriber that stops reading makes
                     the model wait, for at most `stall_timeout` seconds (None: forever),
                     after which that subscriber loses messages instead (stats.degraded);
@@ -307,7 +317,8 @@ def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None
     """
     return ProbeSession(model, sites, endpoint=endpoint, policy=policy, capacity_bytes=capacity_bytes, run=run,
                         sndhwm=sndhwm, allow_remote=allow_remote, curve_secret_key=curve_secret_key,
-                        strip_finished=strip_finished, stall_timeout=stall_timeout, max_delay=max_delay)
+                        strip_finished=strip_finished, stall_timeout=stall_timeout, max_delay=max_delay,
+                        curve_clients=curve_clients)
 
 
 __all__ = ["ProbeSession", "ProbeStats", "attach", "SiteError"]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import zmq
 
+from ._curve import curve_key
 from ._discovery import SessionInfo
 from ._malloc import keep_freed_frames
 from ._sites import SiteMatcher
@@ -126,6 +127,19 @@ class SubscriberStats:
     errors: dict[str, int] = field(default_factory=dict)
 
 
+def _curve_keys(server: bytes | str | None,
+                client: tuple[bytes | str, bytes | str] | None) -> tuple[bytes, bytes, bytes] | None:
+    """(our public, our secret, the server's public) for a CURVE session, or None; a one-off key pair of ours
+    unless the session admits only listed clients (`client`)."""
+    if server is None:
+        if client is not None:
+            raise ValueError("curve_client_key needs curve_server_key (the session's public key)")
+        return None
+    public, secret = zmq.curve_keypair() if client is None else (
+        curve_key(client[0], "curve_client_key's public key"), curve_key(client[1], "curve_client_key's secret key"))
+    return public, secret, curve_key(server, "curve_server_key")
+
+
 def parse_capture(frames: list) -> Capture:
     """Validate and decode one multipart message of bytes or zmq.Frames (raises WireError)."""
     if len(frames) not in (1, 2):
@@ -141,14 +155,18 @@ def _decode(frame0: memoryview, payload_frame: memoryview | None) -> Capture:
 class Subscriber:
     """Connects to `endpoint` (or several) and yields `Capture`s for the requested sites (all by default);
     `live=True` asks the session to send every step at its end (see the module docstring).
+    A CURVE session needs `curve_server_key` (its public key), and `curve_client_key=(public, secret)`
+    when it admits only listed clients (`probe.attach(..., curve_clients=...)`, `_curve.py`).
 
     `tune_malloc` (default) sets glibc's malloc thresholds for this process once, so that received
     frames of up to 32 MiB reuse freed memory instead of faulting in fresh pages (`probe/_malloc.py`:
     ~40 % of a subscriber's CPU at 3 MiB per capture; the process may keep up to 64 MiB of freed heap)."""
 
     def __init__(self, endpoint: str | list[str], sites: str | Iterable[str] | None = None, *, rcvhwm: int = 1000,
-                 curve_server_key: bytes | None = None, context: zmq.Context | None = None,
-                 live: bool = False, tune_malloc: bool = True) -> None:
+                 curve_server_key: bytes | str | None = None, context: zmq.Context | None = None,
+                 live: bool = False, tune_malloc: bool = True,
+                 curve_client_key: tuple[bytes | str, bytes | str] | None = None) -> None:
+        curve = _curve_keys(curve_server_key, curve_client_key)  # checked before any socket exists
         if tune_malloc:  # large frames: no page faults per message (see `_malloc.py`; process-wide)
             keep_freed_frames()
         self.endpoint = endpoint
@@ -165,10 +183,8 @@ class Subscriber:
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if curve_server_key is not None:
-            public, secret = zmq.curve_keypair()
-            self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
-            self._sock.curve_serverkey = curve_server_key
+        if curve is not None:
+            self._sock.curve_publickey, self._sock.curve_secretkey, self._sock.curve_serverkey = curve
         for topic in self.matcher.topics():
             self._sock.setsockopt(zmq.SUBSCRIBE, topic)
         if not self.matcher.everything:  # b"" already covers the control topics

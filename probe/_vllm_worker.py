@@ -50,6 +50,7 @@ from torch import nn
 from . import _discovery
 from ._arch import LAYER_SITES, ArchitectureError, SiteError
 from ._copy import CopyPath
+from ._curve import curve_settings
 from ._endpoint import bind_address, remove_private
 from ._hooks import tap
 from ._identity import DECODE, PREFILL, StepIdentity
@@ -153,7 +154,8 @@ class VllmProbe:
 
     def __init__(self, worker: object, sites: list[str], *, endpoint: str | None, policy: str, run: str,
                  capacity_bytes: int, stall_timeout: float | None, model_name: str,
-                 io_cpus: list[int] | None = None, max_delay: float = MAX_DELAY_S, allow_remote: bool = False) -> None:
+                 io_cpus: list[int] | None = None, max_delay: float = MAX_DELAY_S, allow_remote: bool = False,
+                 curve_secret_key: str | None = None, curve_clients: list[str] | None = None) -> None:
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         runner = worker.model_runner  # type: ignore[attr-defined]
@@ -184,11 +186,13 @@ class VllmProbe:
         self.endpoint = ""
         if not self.publishing:
             return
-        endpoint, self._ipc_dir = bind_address(endpoint, allow_remote=allow_remote, prefix="probebus-vllm-")
+        secret, clients = curve_settings(curve_secret_key, curve_clients)
+        endpoint, self._ipc_dir = bind_address(endpoint, allow_remote=allow_remote, curve=secret is not None,
+                                               prefix="probebus-vllm-")
         cpus = spare_cpus() if io_cpus is None else set(io_cpus) or None
         self.publisher = Publisher(endpoint, run=run, policy=policy, sndhwm=max(64, capacity_bytes // ZERO_COPY_MIN),
-                                   curve_secret_key=None, stall_timeout=stall_timeout, io_cpus=cpus,
-                                   max_delay=max_delay)
+                                   curve_secret_key=secret, stall_timeout=stall_timeout, io_cpus=cpus,
+                                   max_delay=max_delay, curve_clients=clients)
         self.endpoint = self.publisher.endpoint
         self._copy = CopyPath(self.publisher, run=run.encode(), capacity=capacity_bytes,
                               cuda_device=None if runner.device.type == "cpu" else runner.device)

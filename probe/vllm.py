@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
+from ._curve import Clients, curve_settings
 from ._endpoint import check_endpoint
 from ._publisher import MAX_DELAY_S
 from ._session import POLICIES, ProbeStats
@@ -46,7 +47,8 @@ class WorkerExtension:
     def probebus_attach(self, sites: list[str], endpoint: str | None, policy: str, run: str,
                         capacity_bytes: int, stall_timeout: float | None, model_name: str,
                         io_cpus: list[int] | None = None, max_delay: float = MAX_DELAY_S,
-                        allow_remote: bool = False) -> dict:
+                        allow_remote: bool = False, curve_secret_key: str | None = None,
+                        curve_clients: list[str] | None = None) -> dict:
         from ._sites import expand_sites
         from ._vllm_worker import VllmArch, VllmProbe
 
@@ -56,7 +58,8 @@ class WorkerExtension:
         wanted = expand_sites(_SiteView(arch), sites)
         probe = VllmProbe(self, wanted, endpoint=endpoint, policy=policy, run=run, capacity_bytes=capacity_bytes,
                           stall_timeout=stall_timeout, model_name=model_name, io_cpus=io_cpus,
-                          max_delay=max_delay, allow_remote=allow_remote)
+                          max_delay=max_delay, allow_remote=allow_remote, curve_secret_key=curve_secret_key,
+                          curve_clients=curve_clients)
         self._probebus = probe
         return {"endpoint": probe.endpoint, "sites": probe.sites, "tp_rank": probe.tp_rank,
                 "pp_rank": probe.pp_rank, "publishing": probe.publishing}
@@ -68,7 +71,8 @@ class WorkerExtension:
         return self.probebus_attach(a["sites"], a.get("endpoint"), a.get("policy", "complete"), a["run"],
                                     int(a.get("capacity_bytes", 64 << 20)), a.get("stall_timeout", 60.0),
                                     a.get("model_name", ""), a.get("io_cpus"), float(a.get("max_delay", MAX_DELAY_S)),
-                                    bool(a.get("allow_remote", False)))
+                                    bool(a.get("allow_remote", False)), a.get("curve_secret_key"),
+                                    a.get("curve_clients"))
 
     def probebus_detach(self, timeout: float = 30.0) -> dict:
         probe = getattr(self, "_probebus", None)
@@ -221,7 +225,7 @@ class HttpEngine:
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         if method == "probebus_attach":  # the route passes strings only
             keys = ("sites", "endpoint", "policy", "run", "capacity_bytes", "stall_timeout", "model_name", "io_cpus",
-                    "max_delay", "allow_remote")
+                    "max_delay", "allow_remote", "curve_secret_key", "curve_clients")
             method, args = "probebus_attach_json", (json.dumps(dict(zip(keys, args, strict=True))),)
         elif method in ("probebus_detach", "probebus_wait_for_subscribers"):
             args = ()  # defaults on the worker side (strings would not do for numbers)
@@ -246,7 +250,8 @@ class HttpEngine:
 def attach(llm: Any, sites: str | Iterable[str], *, endpoint: str | None = None, policy: str = "complete",
            capacity_bytes: int = 64 << 20, stall_timeout: float | None = 60.0, run: str | None = None,
            io_cpus: Iterable[int] | None = None, max_delay: float = MAX_DELAY_S,
-           allow_remote: bool = False) -> VllmSession:
+           allow_remote: bool = False, curve_secret_key: bytes | str | None = None,
+           curve_clients: Clients = None) -> VllmSession:
     """Attach probes to every worker of a running vLLM engine (an `LLM`, or anything with
     `collective_rpc(method, args=...)`); see `probe.attach` for the other arguments.
 
@@ -255,20 +260,25 @@ def attach(llm: Any, sites: str | Iterable[str], *, endpoint: str | None = None,
     to (a CPU worker binds itself to VLLM_CPU_OMP_THREADS_BIND); `[]` leaves them on the worker's.
     `max_delay`: as in `probe.attach` (steps held for a later send while no subscriber is live).
     `allow_remote`: as in `probe.attach`: a TCP endpoint other than loopback is refused without it (each
-    worker checks too, for a server attached through its HTTP route)."""
+    worker checks too, for a server attached through its HTTP route).
+    `curve_secret_key`, `curve_clients`: as in `probe.attach`. The secret key travels to the workers
+    through the engine's RPC (its own IPC offline; the dev-mode HTTP route for a server)."""
     from ._vllm_worker import new_run
 
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if endpoint is not None:
         check_endpoint(endpoint, allow_remote)  # here too: a clear error before any worker is asked
+    secret, clients = curve_settings(curve_secret_key, curve_clients)  # as text: the RPC routes carry JSON
+    secret_text = None if secret is None else secret.decode()
+    client_texts = None if clients is None else sorted(k.decode() for k in clients)
     names = [sites] if isinstance(sites, str) else list(sites)
     run = run or new_run()
     rpc = _rpc_of(llm)
     model = _model_name(llm)
     cpus = None if io_cpus is None else sorted(int(c) for c in io_cpus)
     results = rpc("probebus_attach", names, endpoint, policy, run, capacity_bytes, stall_timeout, model, cpus,
-                  max_delay, allow_remote)
+                  max_delay, allow_remote, secret_text, client_texts)
     return VllmSession(rpc, results, run=run, policy=policy)
 
 

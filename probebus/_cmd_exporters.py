@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from probebus._curve_opts import add_connect_options, connect_keys
 from probebus._load import LoadError
 
 EPILOG_RECORD = ("Files: {dtype}x{hidden}-NNNNN.arrow (Arrow IPC files) or .parquet, plus _manifest.json, "
@@ -64,6 +65,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--idle-timeout", type=float,
                    help="recording a running session: stop once no capture arrived for this many seconds (after "
                         "the first); recording always stops when the session closes")
+    add_connect_options(p)
     _model_options(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.set_defaults(func=cmd_record)
@@ -90,6 +92,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--duration", type=float, help="exit after this many seconds")
     p.add_argument("--wait", type=float, default=3.0, help="seconds to wait for the session to answer before "
                    "giving up on ENDPOINT (default: %(default)s)")
+    add_connect_options(p)
     p.add_argument("--json", action="store_true", help="no live view; print final totals as JSON")
     p.set_defaults(func=cmd_top)
 
@@ -156,6 +159,8 @@ def _check_record(args: argparse.Namespace) -> None:
             raise LoadError(f"--batch-size must be at least 1, got {args.batch_size}")
         if args.duration is not None or args.idle_timeout is not None:
             raise LoadError("--duration/--idle-timeout apply to recording a running session (--endpoint alone)")
+        if args.curve_server is not None or args.curve_client is not None:
+            raise LoadError("--curve-server/--curve-client apply to recording a running session (--endpoint alone)")
     if args.rotate_mb <= 0:
         raise LoadError(f"--rotate-mb must be positive, got {args.rotate_mb}")
     for name in ("duration", "idle_timeout"):
@@ -217,7 +222,7 @@ def _record_endpoint(args: argparse.Namespace, console: Any, stop: _Stop) -> int
     try:  # one subscriber from the start: a probe-then-reconnect would miss what is published in between
         rec = exporters.ArrowRecorder(args.endpoint, args.out, sites=args.sites, format=args.format,
                                       rotate_bytes=int(args.rotate_mb * (1 << 20)), overwrite=args.overwrite,
-                                      info_timeout=3.0, require_session=True)
+                                      info_timeout=3.0, require_session=True, **connect_keys(args))
         rec.start()
     except (exporters.RecorderError, ValueError) as exc:
         raise LoadError(str(exc)) from None
@@ -355,7 +360,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     from exporters._console import make_console, top_table
 
     try:
-        mon = exporters.TopMonitor(args.endpoint, args.sites)
+        mon = exporters.TopMonitor(args.endpoint, args.sites, **connect_keys(args))
     except zmq.ZMQError as exc:
         raise LoadError(f"{args.endpoint!r} is not an endpoint ({exc}); expected e.g. ipc:///path/to/socket or "
                         "tcp://127.0.0.1:5555 (`probebus top` lists live sessions)") from None

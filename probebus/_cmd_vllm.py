@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from ._curve_opts import add_bind_options, bind_keys
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("attach", help="attach probes to a running vLLM server",
@@ -30,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-remote", action="store_true",
                    help="allow an --endpoint other than loopback TCP (hidden states leak prompts: anyone who can "
                         "reach the port reads them)")
+    add_bind_options(p)
     p.add_argument("--policy", choices=["complete", "best_effort"], default="best_effort",
                    help="complete: the server waits for slow subscribers; best_effort (default for a server): "
                    "it never waits, slow subscribers lose messages")
@@ -59,7 +62,7 @@ def _cmd_attach(args: argparse.Namespace) -> int:
         held = {} if args.max_delay is None else {"max_delay": args.max_delay}
         session = probe.vllm.attach(engine, [s.strip() for s in args.sites.split(",") if s.strip()],
                                     endpoint=args.endpoint, policy=args.policy, allow_remote=args.allow_remote,
-                                    **held)
+                                    **held, **bind_keys(args))
     except (RuntimeError, ValueError, probe.SiteError, AttributeError) as exc:
         print(f"probebus attach: {exc}", file=sys.stderr)
         return 2
@@ -69,7 +72,8 @@ def _cmd_attach(args: argparse.Namespace) -> int:
     else:
         print(f"attached run {session.run}: {len(session.sites)} sites, {session.policy}")
         print(f"endpoint: {session.endpoint}")
-        print(f"watch it:  probebus top {session.endpoint}")
+        keys = f" --curve-server {args.curve_secret.removesuffix('_secret')}" if args.curve_secret else ""
+        print(f"watch it:  probebus top {session.endpoint}{keys}")
     return 0
 
 

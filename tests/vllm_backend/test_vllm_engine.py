@@ -152,3 +152,20 @@ def test_existing_subscribers_work_unchanged(llm, tmp_path) -> None:
             llm.generate(["def a():", "import re\n"], params, use_tqdm=False)
     rec = exporters.read_recording(tmp_path / "rec")
     assert rec.num_rows == 8 * (2 * 4 + 2 * 5), "8 layers x (2 prompts of 4 tokens + 5 decode steps of 2 rows)"
+
+
+def test_a_curve_session_admits_only_its_listed_clients(llm) -> None:
+    import zmq
+
+    server_pub, server_sec = zmq.curve_keypair()
+    me = zmq.curve_keypair()
+    params = vllm.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with probe.vllm.attach(llm, "layers.0.resid_post", endpoint="tcp://127.0.0.1:*", curve_secret_key=server_sec,
+                           curve_clients=[me[0]]) as session:
+        stranger = probe.Subscriber(session.endpoint, curve_server_key=server_pub)
+        sub = probe.Subscriber(session.endpoint, curve_server_key=server_pub, curve_client_key=me)
+        session.wait_for_subscribers(1, timeout=30)
+        llm.generate(["def f(x):"], params, use_tqdm=False)
+    caps = list(sub.iter(idle_timeout=30))
+    assert sub.ended and [c.phase for c in caps] == ["prefill", "decode", "decode"]
+    assert list(stranger.iter(idle_timeout=0.5)) == [] and stranger.stats.received == 0

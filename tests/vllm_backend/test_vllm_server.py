@@ -11,6 +11,8 @@ import time
 import urllib.request
 
 import pytest
+import zmq
+import zmq.auth
 
 pytest.importorskip("vllm")
 
@@ -70,14 +72,25 @@ def _complete(url: str, prompt: str, n: int) -> dict:
         return json.loads(resp.read())
 
 
-def test_attach_watch_detach_a_live_server(server) -> None:
+def test_attach_watch_detach_a_live_server(server, tmp_path) -> None:
+    """Through the HTTP route, with CURVE from certificate files and a folder of admitted clients."""
     _complete(server, "warm up", 2)  # served without probes
     listed = _cli("attach", "--vllm", server, "--list")
     assert listed.returncode == 0 and "layers.0.resid_post" in listed.stdout.split()
-    got = _cli("attach", "--vllm", server, "--sites", "layers.0.resid_post,final_norm", "--json")
+    keys, clients = tmp_path / "keys", tmp_path / "clients"
+    keys.mkdir()
+    clients.mkdir()
+    zmq.auth.create_certificates(keys, "server")
+    zmq.auth.create_certificates(clients, "me")
+    got = _cli("attach", "--vllm", server, "--sites", "layers.0.resid_post,final_norm", "--json",
+               "--endpoint", "tcp://127.0.0.1:*", "--curve-secret", str(keys / "server.key_secret"),
+               "--curve-clients", str(clients))
     assert got.returncode == 0, got.stderr
     attached = json.loads(got.stdout)
-    sub = probe.Subscriber(attached["endpoint"])
+    server_key, _ = zmq.auth.load_certificate(keys / "server.key")
+    stranger = probe.Subscriber(attached["endpoint"], curve_server_key=server_key)  # not in clients/
+    sub = probe.Subscriber(attached["endpoint"], curve_server_key=server_key,
+                           curve_client_key=zmq.auth.load_certificate(clients / "me.key_secret"))
     info = sub.wait_info(timeout=30)
     assert info is not None and info.run == attached["run"] and info.sites == ["layers.0.resid_post", "final_norm"]
     again = _cli("attach", "--vllm", server)
@@ -96,5 +109,6 @@ def test_attach_watch_detach_a_live_server(server) -> None:
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["published"] == 10
     assert sub.recv(timeout=10) is None and sub.ended and sub.stats.missed == 0
+    assert stranger.recv(timeout=0.5) is None and stranger.stats.received == 0 and not stranger.ended
     assert _cli("detach", "--vllm", server).returncode == 2, "nothing is attached any more"
     _complete(server, "after", 2)  # the server keeps serving without probes
