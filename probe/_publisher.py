@@ -359,6 +359,10 @@ class Publisher(HeldBundles):
         self._deadline = time.monotonic() + timeout
         _LINGERING[self.endpoint] = self
         self._closing.set()
+        # A held send in flight (the control thread's, waiting on a full pipe under `complete`) gives up now and
+        # counts what it could not send as dropped: wait for that (milliseconds), so the counts are final here.
+        with self._order:
+            pass
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the end of stream to be acknowledged (or given up); True when the socket is closed."""

@@ -23,6 +23,8 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
                                                       "same as generate: True"]),
     "train_drafter.py": (["--prompts", "4", "--steps", "3", "--new-tokens", "16", "--out", "{tmp}/drafter"],
                          ["recorded", "'step': 3", "tau with the new drafter"]),
+    "serve_encrypted.py": (["--max-new-tokens", "4", "--keys", "{tmp}/keys"],
+                          ["[model] serving tcp://127.0.0.1:", "[client] 32 captures", "decrypted"]),
     "watch_live.py": (["--max-new-tokens", "8"], ["also try: probebus top", "done: 72 captures"]),
     "vllm_capture.py": (["--max-tokens", "4"], ["seq_id 0, prefill rows", "decode rows 3", "published="]),
     "plots.py": (["--max-new-tokens", "8", "--out", "{tmp}/plots"],
