@@ -1,7 +1,8 @@
-"""Handing the rest of a losing call to the target's own `generate`, on the loop's KV cache.
+"""Handing a call, or the rest of a losing one, to the target's own `generate`.
 
+    out = plain_call(spec, input_ids, ...)  # the whole call (the path choice measured drafting not to pay)
     if auto and losing(spec, run, t_decode):
-        hand_over(spec, run)  # the remaining tokens come from target.generate; exact, like the loop
+        hand_over(spec, run)  # the remaining tokens come from target.generate on the loop's KV cache; exact
 
 Whole calls go to `generate` when drafting measured not to pay (`PathChoice`), but that choice is learned
 from earlier calls: the first calls, and each re-measurement of the speculative path, ran every round of a
@@ -32,7 +33,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._state import through_eos
+from ._state import SpecOutput, SpecStats, check_call, eos_list, through_eos
+
+# generation-config fields that never change the tokens: kept as the model sets them
+_GEN_KEEP = {"bos_token_id", "decoder_start_token_id", "transformers_version", "use_cache", "return_dict_in_generate"}
 
 if TYPE_CHECKING:
     from ._loop import SpeculativeDecoder
@@ -93,7 +97,7 @@ def hand_over(spec: SpeculativeDecoder, run: Run) -> None:
         run.cache.batch_select_indices(torch.tensor(rows, device=run.device))
     left = [run.max_new - run.emitted[r] for r in rows]
     eos = sorted(run.eos)
-    kw = spec._gen_kwargs(max(left), run.temperature, run.top_k, run.top_p, eos, eos[0] if eos else None)
+    kw = gen_kwargs(spec.target, max(left), run.temperature, run.top_k, run.top_p, eos, eos[0] if eos else None)
     out = spec.target.generate(ids.to(run.device), attention_mask=mask, cache=run.cache, **kw,
                                streamer=_AfterPrompt(run.streamer) if run.streamer is not None else None)
     new = out[:, run.cols + 1:].tolist()
@@ -111,3 +115,42 @@ def hand_over(spec: SpeculativeDecoder, run: Run) -> None:
     st.handover_steps += steps
     st.target_forwards += steps
     st.handover_s += time.perf_counter() - t0
+
+
+def plain_call(spec: SpeculativeDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+               eos: int | list[int] | None, pad: int | None, streamer: object) -> SpecOutput:
+    """The call as the target's own `generate`, probes off: the same output (greedy) or distribution."""
+    check_call(input_ids, max_new_tokens, streamer)
+    if spec.session is not None:
+        spec._capture(False)  # no hooks on the target's own loop; the next speculative call puts them back
+    t0 = time.perf_counter()
+    eos_ids = eos_list(eos)
+    kw = gen_kwargs(spec.target, max_new_tokens, temperature, top_k, top_p, eos_ids, pad)
+    device = next(spec.target.parameters()).device
+    mask = attention_mask.to(device) if attention_mask is not None else torch.ones_like(input_ids, device=device)
+    seq = spec.target.generate(input_ids.to(device), attention_mask=mask, streamer=streamer, **kw).cpu()
+    b, new = input_ids.shape[0], seq.shape[1] - input_ids.shape[1]
+    emitted = sum(len(through_eos(row, eos_ids)) for row in seq[:, input_ids.shape[1]:].tolist())
+    stats = SpecStats(batch=b, rounds=new, target_forwards=new, emitted=emitted, row_rounds=emitted,
+                      plain_rounds=new, delegated=True)
+    stats.seconds = stats.verify_s = time.perf_counter() - t0
+    return SpecOutput(seq, stats)
+
+def gen_kwargs(target: torch.nn.Module, max_new_tokens: int, temperature: float, top_k: int | None,
+               top_p: float | None, eos_ids: list[int], pad: int | None) -> dict:
+    """Keyword arguments for the target's own `generate` that decode as this loop does (greedy, or
+    sampling as given), and nothing else.
+
+    Keywords, not a GenerationConfig: given a config, `generate` fills each unset field from the model's
+    own config, so "no EOS" can only be an empty list, which still adds a stopping check and a padding
+    step to every token (2 % of a T = 0.8 call on the default model, in a same-run A/B). With keywords
+    the model's config is the base, so every field it sets that would change the tokens (a top-k, an
+    EOS, a repetition penalty, a minimum length) is unset here, and this call's values go on top."""
+    base = target.generation_config.to_diff_dict()
+    kw: dict = {k: None for k in base if k not in _GEN_KEEP and not k.startswith(("output_", "_"))}
+    kw.update(max_new_tokens=max_new_tokens, do_sample=temperature > 0, num_beams=1,
+              eos_token_id=eos_ids or None, pad_token_id=pad if pad is not None else 0)
+    if temperature > 0:  # sampling fields only when sampling: on a greedy call transformers warns about them
+        kw.update(temperature=temperature, top_k=top_k or None, top_p=top_p)
+    return kw

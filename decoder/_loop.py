@@ -22,22 +22,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ._accounting import account
 from ._cost import CostModel
 from ._eagle import Eagle3Drafter
 from ._feeder import Drafts, Feeder
-from ._handover import hand_over, losing
+from ._handover import hand_over, losing, plain_call
 from ._medusa import MedusaFeeder
 from ._ngram import NgramDrafter
+from ._probing import ProbeSwitch
 from ._sched import DraftPlan, RowFix, Scheduler
 from ._slots import open_slots
-from ._state import Run, SpecOutput, SpecStats, through_eos
+from ._state import Run, SpecOutput, SpecStats, check_call, eos_list
 from ._tree_round import supports_tree, tree_round
 from ._verify import target_probs, verify_greedy_rows, verify_rows
 
 __all__ = ["RoundDrafts", "SpecOutput", "SpecStats", "SpeculativeDecoder"]
-
-# generation-config fields that never change the tokens: kept as the model sets them
-_GEN_KEEP = {"bos_token_id", "decoder_start_token_id", "transformers_version", "use_cache", "return_dict_in_generate"}
 
 log = logging.getLogger("decoder")
 
@@ -58,21 +57,7 @@ class RoundDrafts:
     overlap: list[float] | None = None
 
 
-def _check_call(input_ids: torch.Tensor, max_new_tokens: int, streamer: object) -> None:
-    """The arguments both paths of a call (the loop, or the target's own `generate`) refuse alike."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be [batch >= 1, length >= 1], got {tuple(input_ids.shape)}")
-    if streamer is not None and input_ids.shape[0] != 1:
-        raise ValueError("a streamer needs batch size 1 (as in transformers)")
-
-
-def _eos_list(eos: int | list[int] | None) -> list[int]:
-    return [eos] if isinstance(eos, int) else list(eos or [])
-
-
-class SpeculativeDecoder:
+class SpeculativeDecoder(ProbeSwitch):
     """drafter: an Eagle3Drafter, any other Feeder (`RemoteEagle`, Medusa/MTP/DSpark heads, a draft model, layer
     skip), a list of them (the scheduler picks one per round), an NgramDrafter, "auto" (EAGLE-3 if one ships
     with the target, or `eagle=` one drafter or a list, plus n-gram), or None (plain steps). k is the longest
@@ -169,7 +154,7 @@ class SpeculativeDecoder:
         key = self.path_key(input_ids.shape[0], temperature)
         auto = not self.sched.fixed and seed is None and (self.feeder is not None or self.ngram is not None)
         if auto and self.cost.paths.pick(key) == "plain":
-            out = self._plain(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+            out = plain_call(self, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
                               pad_token_id, streamer)
             self.cost.paths.observe(key, "plain", out.stats.tokens_per_s, out.stats.emitted)
             return out
@@ -208,54 +193,16 @@ class SpeculativeDecoder:
             logits = self._forward(run, drafts)  # verify
             n_acc, nxt = self._accept(run, drafts, logits)
             kept = self._commit(run, drafts, n_acc, nxt)
-            self._account(run, drafts, n_acc, kept, tr, tv)
+            account(self, run, drafts, n_acc, kept, tr, tv)
         return None
-
-    def _plain(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
-               temperature: float, top_k: int | None, top_p: float | None, eos: int | list[int] | None,
-               pad: int | None, streamer: object) -> SpecOutput:
-        """The call as the target's own `generate`, probes off: the same output (greedy) or distribution."""
-        _check_call(input_ids, max_new_tokens, streamer)
-        if self.session is not None:
-            self._capture(False)  # no hooks on the target's own loop; the next speculative call puts them back
-        t0 = time.perf_counter()
-        eos_ids = _eos_list(eos)
-        kw = self._gen_kwargs(max_new_tokens, temperature, top_k, top_p, eos_ids, pad)
-        device = next(self.target.parameters()).device
-        mask = attention_mask.to(device) if attention_mask is not None else torch.ones_like(input_ids, device=device)
-        seq = self.target.generate(input_ids.to(device), attention_mask=mask, streamer=streamer, **kw).cpu()
-        b, new = input_ids.shape[0], seq.shape[1] - input_ids.shape[1]
-        emitted = sum(len(through_eos(row, eos_ids)) for row in seq[:, input_ids.shape[1]:].tolist())
-        stats = SpecStats(batch=b, rounds=new, target_forwards=new, emitted=emitted, row_rounds=emitted,
-                          plain_rounds=new, delegated=True)
-        stats.seconds = stats.verify_s = time.perf_counter() - t0
-        return SpecOutput(seq, stats)
-
-    def _gen_kwargs(self, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-                    eos_ids: list[int], pad: int | None) -> dict:
-        """Keyword arguments for the target's own `generate` that decode as this loop does (greedy, or
-        sampling as given), and nothing else.
-
-        Keywords, not a GenerationConfig: given a config, `generate` fills each unset field from the model's
-        own config, so "no EOS" can only be an empty list, which still adds a stopping check and a padding
-        step to every token (2 % of a T = 0.8 call on the default model, in a same-run A/B). With keywords
-        the model's config is the base, so every field it sets that would change the tokens (a top-k, an
-        EOS, a repetition penalty, a minimum length) is unset here, and this call's values go on top."""
-        base = self.target.generation_config.to_diff_dict()
-        kw: dict = {k: None for k in base if k not in _GEN_KEEP and not k.startswith(("output_", "_"))}
-        kw.update(max_new_tokens=max_new_tokens, do_sample=temperature > 0, num_beams=1,
-                  eos_token_id=eos_ids or None, pad_token_id=pad if pad is not None else 0)
-        if temperature > 0:  # sampling fields only when sampling: on a greedy call transformers warns about them
-            kw.update(temperature=temperature, top_k=top_k or None, top_p=top_p)
-        return kw
 
     # --- pieces ---------------------------------------------------------------------------
     def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
                temperature: float, top_k: int | None, top_p: float | None, eos: int | list[int] | None,
                seed: int | None, streamer: object) -> Run:
-        _check_call(input_ids, max_new_tokens, streamer)
+        check_call(input_ids, max_new_tokens, streamer)
         device = next(self.target.parameters()).device
-        eos_ids = _eos_list(eos)
+        eos_ids = eos_list(eos)
         run = Run(input_ids, attention_mask, max_new_tokens=max_new_tokens, k=self.k, eos=eos_ids, device=device)
         run.temperature, run.top_k, run.top_p, run.streamer = temperature, top_k, top_p, streamer
         run.gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
@@ -441,84 +388,6 @@ class SpeculativeDecoder:
             run.streamer.put(torch.tensor(kept[0]))
         return kept
 
-    def _account(self, run: Run, drafts: RoundDrafts, n_acc: list[int], kept: list[list[int]], tr: float,
-                 tv: float) -> None:
-        """Statistics, calibration of the acceptance estimates, and the cost model's online refinement."""
-        now = time.perf_counter()
-        st = run.stats
-        st.draft_s += tv - tr
-        st.verify_s += now - tv
-        st.rounds += 1
-        length = drafts.tokens.shape[1] + 1
-        st.plain_rounds += length == 1
-        offered = accepted = rows = 0
-        active = [m for m in run.n_eff]
-        for r, m in enumerate(drafts.methods):
-            if active[r] < 0:
-                continue
-            rows += 1
-            kr, n = drafts.k_rows[r], n_acc[r]
-            st.row_rounds += 1
-            st.emitted += len(kept[r])
-            if kr:
-                st.drafted_row_rounds += 1
-                st.eagle_rounds += m == "eagle"
-                st.ngram_rounds += m == "ngram"
-            st.drafted += kr
-            st.accepted += min(n, kr)
-            offered += kr
-            accepted += min(n, kr)
-            for i in range(kr):
-                st.offered_at[i] += 1
-                st.accepted_at[i] += int(n > i)
-            self._calibrate(run, drafts, r, m, kr, n)
-        st.history.append((length, rows, offered, accepted,
-                           drafts.eagle.tokens.shape[1] if drafts.eagle is not None else 0))
-        run.observe_rate(sum(len(t) for t in kept), now - tr)
-        if self._cost is not None and run.b > 0:
-            self.cost.observe_verify(run.b, length, now - tv, capturing=self._capturing)
-            if drafts.eagle is not None and drafts.eagle.tokens.shape[1] > 1:
-                steps = drafts.eagle.tokens.shape[1]
-                self.cost.observe_step(run.b, drafts.eagle.compute_s / steps)
-            drafting = drafts.eagle.bus_s + drafts.eagle.compute_s if drafts.eagle is not None else 0.0
-            self.cost.observe_overhead(run.b, max(tv - tr - drafting, 0.0))
-
-    def _calibrate(self, run: Run, drafts: RoundDrafts, r: int, method: str, kr: int, n: int) -> None:
-        """Feed observed outcomes back into the calibrations. Greedy also learns from proposals it did not
-        use: the committed tokens are the target's own choices, so any proposal's prefix can be checked."""
-        sched = run.sched
-        greedy = run.mode == "greedy"
-        # greedy: the accepted drafts and the next token, i.e. the target's own next n + 1 choices
-        truth = run.toks[r, run.last[r] - n: run.last[r] + 1].tolist() if greedy else []
-        if drafts.eagle is not None:
-            calib = sched.eagle_calib[run.mode]
-            conf = drafts.eagle.conf[r].tolist()
-            fix = run.fix["eagle"]
-            if greedy:
-                toks = drafts.eagle.tokens[r].tolist()
-                for i in range(min(len(toks), len(truth))):
-                    fix.update(r, calib(conf[i]), toks[i] == truth[i])
-                    calib.update(conf[i], toks[i] == truth[i])
-                    if toks[i] != truth[i]:
-                        break
-            elif method == "eagle":
-                for i in range(min(n + 1, kr)):
-                    fix.update(r, calib(conf[i]), i < n)
-                    calib.update(conf[i], i < n)
-        if drafts.props is not None and drafts.props[r]:
-            prop, m, o = drafts.props[r], drafts.match[r], drafts.overlap[r]
-            fix, nc = run.fix["ngram"], sched.ngram_calib
-            if greedy:
-                for i in range(min(len(prop), len(truth))):
-                    fix.update(r, nc(m, o, i), prop[i] == truth[i])
-                    nc.update(m, o, i, prop[i] == truth[i])
-                    if prop[i] != truth[i]:
-                        break
-            elif method == "ngram":
-                for i in range(min(n + 1, kr)):
-                    fix.update(r, nc(m, o, i), i < n)
-                    nc.update(m, o, i, i < n)
-
     @property
     def _scheds(self) -> list[Scheduler]:
         """One scheduler state per model drafter (the n-gram calibration is shared); the first is `self.sched`."""
@@ -554,68 +423,6 @@ class SpeculativeDecoder:
                     run.feeds = run.feeds_by[j]
                 run.stats.bus_s += slot.feeder.draft(feeds, run.toks, 0, run.temperature, None, None).bus_s
         return bool(ready)
-
-    def _quiet(self, run: Run):  # noqa: ANN202
-        """A drafter that runs the target's own modules (the target as draft model, layer skip) must not publish
-        captures on the decoder's session: its forwards run with every capture marked invalid."""
-        slot = self.slots[self._cur_slot()] if self.slots else None
-        if self.session is None or slot is None or slot.sites:
-            return contextlib.nullcontext()
-        return self.session.context(seq_ids=run.seq_ids, valid=self._valid_off)
-
-    def _cur_slot(self) -> int:
-        return next(i for i, sl in enumerate(self.slots) if sl.feeder is self.feeder)
-
-    def _awake(self, run: Run) -> bool:
-        """Keep the probes on unless every model drafter rests long enough for removing them to pay."""
-        return run.sched.fixed or min(sc.rest for sc in run.scheds) < self._sleep_after(run.b)
-
-    def _sleep_after(self, batch: int) -> int:
-        """Rounds of rest from which taking the probes off pays: removing and adding them back costs
-        `_toggle_s` (measured), keeping them costs the capture tax every round."""
-        tax = self.cost.capture_tax(batch, 1) if self._cost is not None and self._cost.has(batch, self.k) else 0.0
-        if tax <= 0:
-            return 8
-        return max(1, min(8, int(2 * self._toggle_s / tax) + 1))
-
-    def _capture(self, on: bool) -> None:
-        """Probes on the model or off it. Off costs nothing per forward (even a hook that publishes nothing
-        costs a visible share of a small model's step). A toggle is the session's pause/resume (~40 us: the
-        site list it announces stays), and within a call it happens only when EAGLE-3 rests for several
-        rounds. Every call ends with the probes off: left on, any other forward of the model (the user's own
-        `generate`, another decoder) published into a session nobody reads between this decoder's calls, and
-        after six plain 96-token calls the `complete` policy's back-pressure froze the model for its 60 s
-        stall timeout. Without session.pause/resume, forwards publish nothing instead."""
-        if on == self._capturing:
-            return
-        if hasattr(self.session, "pause"):
-            t0 = time.perf_counter()
-            self.session.resume() if on else self.session.pause()
-            self._toggle_s += 0.2 * (time.perf_counter() - t0 - self._toggle_s)
-        self._capturing = on
-
-    def _probes(self, on: bool):  # noqa: ANN202
-        """A context factory: the probes in state `on` (publishing when on) for a cost measurement."""
-        @contextlib.contextmanager
-        def ctx():  # noqa: ANN202
-            before = self._capturing
-            self._capture(on)
-            try:
-                with torch.no_grad(), self.session.context(valid=self._valid_on if on else self._valid_off):
-                    yield
-            finally:
-                self._capture(before)
-        return ctx
-
-    def _context(self, phase: str, run: Run, positions: torch.Tensor | None = None):  # noqa: ANN202
-        """The probes' identity for the loop's own forwards: its rows keep the sequence ids reserved at the
-        prefill, whatever else runs on the model in between (a drafter that is the target's own layers)."""
-        if self.session is None:
-            return contextlib.nullcontext()
-        if phase == "prefill":
-            return self.session.context(phase="prefill", seq_ids=run.seq_ids)
-        return self.session.context(phase="verify", seq_ids=run.seq_ids, positions=positions,
-                                    valid=self._valid_on if self._capturing else self._valid_off)
 
     @staticmethod
     def _choose(run: Run, logits: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,20 @@ def through_eos(tokens: list[int], eos: set[int] | list[int]) -> list[int]:
     return tokens if stop is None else tokens[: stop + 1]
 
 
+def check_call(input_ids: torch.Tensor, max_new_tokens: int, streamer: object) -> None:
+    """The arguments both paths of a call (the loop, or the target's own `generate`) refuse alike."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch >= 1, length >= 1], got {tuple(input_ids.shape)}")
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError("a streamer needs batch size 1 (as in transformers)")
+
+
+def eos_list(eos: int | list[int] | None) -> list[int]:
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
 class Run:
     """Per-call state. Per-row scalars live in Python lists (a round touches each a few times)."""
 
