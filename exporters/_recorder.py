@@ -125,8 +125,9 @@ class ArrowRecorder:
         self.drain_idle = drain_idle
         self.overwrite = overwrite
         self.manifest_interval = manifest_interval
-        if curve_server_key is None and self._session is not None:  # our own CURVE session: its key
+        if curve_server_key is None and self._session is not None:  # our own CURVE session: its keys
             curve_server_key = self._session.curve_public_key
+            curve_client_key = curve_client_key or self._session.curve_local_client
         self._curve = curve_server_key
         self._curve_client = curve_client_key
         self._model, self._extra_meta = model, metadata

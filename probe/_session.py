@@ -85,6 +85,11 @@ class ProbeSession:
         curve_secret_key, clients = curve_settings(curve_secret_key, curve_clients)
         self.curve_public_key = None if curve_secret_key is None else zmq.curve_public(curve_secret_key)
         """What subscribers pass as `curve_server_key` (Z85), or None without CURVE."""
+        # With an allowlist, one more admitted client key for this process's own subscribers (an ArrowRecorder
+        # given the session), which otherwise could not read their own session.
+        self.curve_local_client = None if clients is None else zmq.curve_keypair()
+        if clients is not None:
+            clients = clients | {self.curve_local_client[0]}
         endpoint, self._ipc_dir = bind_address(endpoint, allow_remote=allow_remote,
                                                curve=curve_secret_key is not None)
         param = next(model.parameters(), None)

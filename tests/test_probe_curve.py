@@ -61,15 +61,17 @@ def test_only_listed_clients_read_and_they_read_every_value() -> None:
     me.close()
 
 
-def test_a_recorder_on_its_own_curve_session_takes_the_session_key(tmp_path: Path) -> None:
-    """Without `curve_clients` any client with the server's public key reads; an in-process recorder given the
-    session itself finds that key there."""
+@pytest.mark.parametrize("listed", [False, True])
+def test_a_recorder_on_its_own_curve_session_takes_the_session_keys(tmp_path: Path, listed: bool) -> None:
+    """An in-process recorder given the session itself finds the server's key there, and with an allowlist
+    the client key the session admits for its own process."""
     model = build("llama")
     hidden = _hidden(model)
     public, secret = zmq.curve_keypair()
-    with probe.attach(model, "layers.1.resid_post", endpoint="tcp://127.0.0.1:*",
-                      curve_secret_key=secret) as session:
-        assert session.curve_public_key == public
+    clients = [zmq.curve_keypair()[0]] if listed else None
+    with probe.attach(model, "layers.1.resid_post", endpoint="tcp://127.0.0.1:*", curve_secret_key=secret,
+                      curve_clients=clients) as session:
+        assert session.curve_public_key == public and (session.curve_local_client is not None) == listed
         with exporters.ArrowRecorder(session, tmp_path / "rec"):
             with torch.no_grad():
                 model(IDS)
