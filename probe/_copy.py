@@ -12,7 +12,8 @@ of its work (shape, identity rows, header) waits for the step's end, where it ru
 one loop. Between a model's layers every Python operation runs from cold caches, so
 fewer of them in the hook is what counts, not fewer instructions. Large
 captures are copied once into the staging ring, behind their header and tokens, and the
-whole slot is sent zero-copy as one frame; a ring slot is reused only once ZeroMQ has
+whole slot is sent zero-copy as one frame at the step's end, with the step's other sends (one
+wake-up of ZeroMQ's I/O thread per step, not one per layer); a ring slot is reused only once ZeroMQ has
 freed its message (a weak reference to the slot's array view dies then). Copies are
 single-threaded numpy: torch's `copy_` runs in the intra-op OpenMP pool, and an
 OpenMP region waiting on a core that a subscriber holds cost 7.8 ms instead of 13 us
@@ -64,6 +65,7 @@ class CopyPath(HeldCaptures):
         self._bundler = Bundler(run, self._seq)  # the step's small captures
         self._head = PerSite(lambda topic: head_struct(len(topic), len(run)))  # a site's large captures' frame start
         self._warned: set[str] = set()
+        self._large: list[tuple[bytes, np.ndarray, int, int, int]] = []  # the step's staged large captures
         # The common small capture (every row real, contiguous, on the host) copies its bytes into the arena at
         # once and is packed into the bundle at the step's end (`_held.py`): see `capture`.
         self._init_arena()
@@ -147,7 +149,8 @@ class CopyPath(HeldCaptures):
             return
         try:
             self._copy_rows(rows, index, slot[pad + lead :], n)
-            self.flush()  # in order: the step's small captures before this one
+            if self._held or self._bundler.queued:
+                self.flush()  # in order: the step's small captures before this one
             seq = self._seq.get(topic, 0)
             self._seq[topic] = seq + 1
             # The whole capture is one frame read in place by ZeroMQ: header and tokens written just before
@@ -157,11 +160,31 @@ class CopyPath(HeldCaptures):
             head.pack_into(slot, pad, topic, MAGIC, VERSION, ident.phase, dtype, ident.step, key.layer, hidden, n,
                            len(self.run), len(topic), seq, time.time_ns(), self.run)
             slot[pad + head.size : pad + lead] = np.frombuffer(tokens, dtype=np.uint8)
-            held = self.pub.send(topic, None, slot[pad:], nbytes=nbytes, seq=seq)
         except BaseException:
             self.ring.release(off)  # the ring frees in order: a slot left staged would block it for good
             raise
-        self.ring.release(off, None if held is False else held)
+        # Sent at the step's end with the step's others (`_send_large`): each send that finds ZeroMQ's I/O thread
+        # asleep wakes it on another core, and a prefill's layers are far enough apart for it to fall asleep
+        # between them (65 us of a 128 KiB capture's 169 us, sent one by one).
+        self._large.append((topic, slot[pad:], nbytes, seq, off))
+
+    def _send_large(self) -> None:
+        """Send the step's large captures, staged in the ring, in order (after any bundles held from earlier
+        steps); every slot is released, sent or not."""
+        large, self._large = self._large, []
+        pub, ring = self.pub, self.ring
+        if pub.held:
+            pub.send_bundles([])  # earlier steps' held bundles go first
+        try:
+            while large:
+                topic, frame, nbytes, seq, off = large[0]
+                held = pub.send(topic, None, frame, nbytes=nbytes, seq=seq)
+                ring.release(off, None if held is False else held)
+                large.pop(0)
+        finally:
+            for item in large:  # a send raised: the rest were not handed over
+                ring.release(item[4])
+                self.dropped += 1
 
     @staticmethod
     def _copy_rows(rows: np.ndarray, index: np.ndarray | None, dst: np.ndarray, n: int) -> None:
@@ -184,6 +207,8 @@ class CopyPath(HeldCaptures):
         """
         if self._held:
             self._pack_held()
+        if self._large:  # staged before any of the bundler's captures (see `_capture_now`)
+            self._send_large()
         bundles = self._bundler.take()
         if bundles or self.pub.held:
             self.pub.send_bundles(bundles, hold=hold)
@@ -192,6 +217,8 @@ class CopyPath(HeldCaptures):
         """(ring offset or None for a one-off buffer, the bytes to fill); (None, None) to drop."""
         ring, pub = self.ring, self.pub
         if nbytes > ring.capacity:
+            if self._large:  # the wait below is for the ring to empty: our own staged captures must leave first
+                self._send_large()
             self._warn_once("oversize", f"probebus: a capture of {nbytes} bytes exceeds capacity_bytes="
                             f"{ring.capacity}; raise capacity_bytes (under best_effort such captures are dropped, "
                             "under complete each waits until the ring is empty and ZeroMQ has sent it)")
@@ -206,6 +233,9 @@ class CopyPath(HeldCaptures):
             return False if off is None else off
 
         off = alloc()
+        if off is False and self._large:  # the step's own staged captures hold the ring: send them, try again
+            self._send_large()
+            off = alloc()
         if off is False:
             off = pub.backpressure(alloc)
             if off is False:
@@ -248,7 +278,7 @@ class CopyPath(HeldCaptures):
     @property
     def queued(self) -> int:
         device = 0 if self._device is None else self._device.queued
-        return device + len(self._held) + self._bundler.queued + self.pub.held
+        return device + len(self._held) + len(self._large) + self._bundler.queued + self.pub.held
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

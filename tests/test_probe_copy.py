@@ -198,3 +198,34 @@ def test_a_group_whose_header_cannot_be_packed_leaves_nothing_behind() -> None:
         bundler.group(ident, 1, 2**32, 1, ident.rows(1)[1], 8, members, 0)
     assert err.value.written == 0 and isinstance(err.value.__cause__, struct.error)
     assert bundler.seqs == {} and bundler.take() == []
+
+
+def test_a_steps_large_captures_leave_at_its_end_in_order_even_beyond_the_ring() -> None:
+    """Large captures are staged in the ring and sent at the step's end in one burst, in capture order with the
+    small ones around them; a step whose large captures need more than the ring sends its own staged ones to
+    make room, instead of waiting on them (with a short stall limit, that wait would drop captures)."""
+    pub = Publisher("tcp://127.0.0.1:*", run="r1", policy="complete", sndhwm=1000, curve_secret_key=None,
+                    stall_timeout=2.0)
+    sub = probe.Subscriber(pub.endpoint)
+    assert pub.wait_until(lambda: len(pub.subscribers) >= 1, 10)
+    path = CopyPath(pub, run=b"r1", capacity=256 << 10, cuda_device=None)  # three 96 KiB captures fill it
+    tracker = IdentityTracker(np.empty(0, dtype=np.int64))
+    ident = tracker.begin(torch.arange(384)[None] % 50 + 3, None, 0, 1, 384, None, torch.device("cpu"))
+    big = [torch.randn(1, 384, 64) for _ in range(6)]  # 96 KiB each: the ring path
+    small = torch.randn(1, 8, 64)  # 2 KiB, its own step shape: the bundle
+    small_ident = tracker.begin(torch.arange(8)[None] + 3, None, 0, 1, 8, None, torch.device("cpu"))
+    order = []
+    for i, t in enumerate(big):
+        path.capture(_key(i), t, ident)
+        order.append(f"layers.{i}.resid_post")
+        if i == 1:
+            assert pub.published == 0 and path.queued == 2  # staged, waiting for the step's end
+        if i == 2:
+            path.capture(_key(0, "mlp_out"), small, small_ident)
+            order.append("layers.0.mlp_out")
+    got = _finish(pub, path, sub)
+    assert [c.site for c in got] == order
+    for c, t in zip([c for c in got if c.site.endswith("resid_post")], big, strict=True):
+        assert torch.equal(c.tensor, t[0])
+    assert path.captured == pub.published == 7 and path.dropped == 0 and pub.dropped == 0
+    sub.close()
