@@ -58,12 +58,26 @@ def client_keys(clients: Clients) -> set[bytes] | None:
 
 
 def curve_settings(secret: bytes | str | None, clients: Clients) -> tuple[bytes | None, set[bytes] | None]:
-    """A session's CURVE arguments checked: (its secret key, the admitted clients' keys or None for any)."""
+    """A session's CURVE arguments checked: (its secret key, the admitted clients' keys or None for any);
+    `subscriber_keys` is the other end's."""
     if secret is None:
         if clients is not None:
             raise ValueError("curve_clients needs curve_secret_key: only a CURVE session can tell its clients apart")
         return None, None
     return curve_key(secret, "curve_secret_key"), client_keys(clients)
+
+
+def subscriber_keys(server: bytes | str | None,
+                    client: tuple[bytes | str, bytes | str] | None) -> tuple[bytes, bytes, bytes] | None:
+    """(our public, our secret, the server's public) for a CURVE session, or None; a one-off key pair of ours
+    unless the session admits only listed clients (`client`)."""
+    if server is None:
+        if client is not None:
+            raise ValueError("curve_client_key needs curve_server_key (the session's public key)")
+        return None
+    public, secret = zmq.curve_keypair() if client is None else (
+        curve_key(client[0], "curve_client_key's public key"), curve_key(client[1], "curve_client_key's secret key"))
+    return public, secret, curve_key(server, "curve_server_key")
 
 
 def load_certificate(path: str | os.PathLike, *, secret: bool) -> tuple[bytes, bytes | None]:

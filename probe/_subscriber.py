@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import zmq
 
-from ._curve import curve_key
+from ._curve import subscriber_keys
 from ._discovery import SessionInfo
 from ._malloc import keep_freed_frames
 from ._sites import SiteMatcher
@@ -127,19 +127,6 @@ class SubscriberStats:
     errors: dict[str, int] = field(default_factory=dict)
 
 
-def _curve_keys(server: bytes | str | None,
-                client: tuple[bytes | str, bytes | str] | None) -> tuple[bytes, bytes, bytes] | None:
-    """(our public, our secret, the server's public) for a CURVE session, or None; a one-off key pair of ours
-    unless the session admits only listed clients (`client`)."""
-    if server is None:
-        if client is not None:
-            raise ValueError("curve_client_key needs curve_server_key (the session's public key)")
-        return None
-    public, secret = zmq.curve_keypair() if client is None else (
-        curve_key(client[0], "curve_client_key's public key"), curve_key(client[1], "curve_client_key's secret key"))
-    return public, secret, curve_key(server, "curve_server_key")
-
-
 def parse_capture(frames: list) -> Capture:
     """Validate and decode one multipart message of bytes or zmq.Frames (raises WireError)."""
     if len(frames) not in (1, 2):
@@ -166,7 +153,7 @@ class Subscriber:
                  curve_server_key: bytes | str | None = None, context: zmq.Context | None = None,
                  live: bool = False, tune_malloc: bool = True,
                  curve_client_key: tuple[bytes | str, bytes | str] | None = None) -> None:
-        curve = _curve_keys(curve_server_key, curve_client_key)  # checked before any socket exists
+        curve = subscriber_keys(curve_server_key, curve_client_key)  # checked before any socket exists
         if tune_malloc:  # large frames: no page faults per message (see `_malloc.py`; process-wide)
             keep_freed_frames()
         self.endpoint = endpoint
