@@ -24,11 +24,10 @@ if __name__ == "__main__":  # vLLM starts its engine in new processes: keep the 
         sub = probe.Subscriber(session.endpoint, sites="final_norm")
         session.wait_for_subscribers(1, timeout=60)
         outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0), use_tqdm=False)
-        requests = session.info["requests"]
     rows = collections.Counter()
     for cap in sub:  # per step: one capture per phase, rows of every request in the flat batch
         rows.update((int(s), cap.phase) for s in cap.seq_ids)
-    for entry in requests.values():
+    for entry in sub.info.requests.values():  # seq_id -> vLLM request, received on the bus with the captures
         sid = entry["seq_id"]
         print(f"request {entry['request_id']}: seq_id {sid}, prefill rows {rows[sid, 'prefill']}, "
               f"decode rows {rows[sid, 'decode']}")

@@ -41,10 +41,11 @@ from ._schema import (
     MANIFEST,
     PARTIAL_RE,
     PROMPTS,
+    REQUESTS,
     file_metadata,
     write_json_atomic,
 )
-from ._text import TokenText, append_prompts
+from ._text import TokenText, append_prompts, append_requests
 
 FORMATS = ("arrow", "parquet")
 
@@ -94,7 +95,7 @@ def existing_recording(path: str | Path) -> list[Path]:
     if not p.is_dir():
         return []
     return [f for f in p.iterdir()
-            if f.name in (MANIFEST, MANIFEST + ".tmp", PROMPTS, LEGACY_MANIFEST) or FILE_RE.match(f.name)
+            if f.name in (MANIFEST, MANIFEST + ".tmp", PROMPTS, REQUESTS, LEGACY_MANIFEST) or FILE_RE.match(f.name)
             or PARTIAL_RE.match(f.name) or f.name.endswith(".parquet.tmp")]
 
 
@@ -342,6 +343,9 @@ class ArrowRecorder:
                 due = batcher.next_due(now)
                 cap = sub.recv(timeout=wait if due is None else min(wait, max(due, 0.001)))
                 now = time.monotonic()
+                new = sub.take_requests()  # a vLLM session's new requests: seq_id -> request id, as they start
+                if new:
+                    self._save_requests(sub, new)
                 if cap is None:
                     if getattr(sub, "ended", False):  # the session closed: we hold all it published
                         batcher.flush_all()
@@ -363,7 +367,18 @@ class ArrowRecorder:
         finally:
             batcher.flush_all()
             self._queue.put(None)
+            new = sub.take_requests()
+            if new and not self._failed.is_set():
+                self._save_requests(sub, new)
             sub.close()  # disconnect: a failed recorder must not hold back a `complete` publisher
+
+    def _save_requests(self, sub: probe.Subscriber, new: list[dict]) -> None:
+        """Append the request-map entries that arrived to _requests.jsonl (`Recording.request`)."""
+        info = sub.info or self.session_info
+        try:
+            append_requests(self.path, getattr(info, "run", "") or "", new)
+        except OSError as exc:
+            self._fail(exc, f"writing {REQUESTS}")
 
     def _publisher_idle(self) -> bool:
         s = self._session

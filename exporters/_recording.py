@@ -2,6 +2,7 @@
 
     rec = exporters.read_recording("rec/")            # Recording: short repr, HTML in notebooks
     rec.sequences()                                   # [(run, seq_id), ...]
+    rec.request(0)["request_id"]                      # a vLLM session's request id for seq_id 0
     cache = rec.cache(0)                              # one sequence: {site: [pos, d_model]}
     cache["layers.3.resid_post"].shape                # torch.Size([37, 192]), captured dtype
     cache.tokens, cache.prompt                        # token strings by position, the prompt's text
@@ -31,7 +32,7 @@ import torch
 
 from ._reader import _Filter, _filtered, read_table
 from ._schema import activation_dtype, activation_values, dtype_name
-from ._text import read_prompts
+from ._text import read_prompts, read_requests
 
 _SUB = {"resid_pre": 0, "attn_out": 1, "resid_mid": 2, "mlp_out": 3, "resid_post": 4}
 
@@ -109,6 +110,7 @@ class Recording:
         self.table = table
         self.path = None if path is None else Path(path)
         self._prompts = prompts if prompts is not None else (read_prompts(self.path) if self.path else {})
+        self._requests: dict[tuple[str, int], dict] | None = None  # read on first use
 
     # --- a Table, mostly ------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -154,6 +156,13 @@ class Recording:
         for step, seq in zip(g.column("step_min").to_pylist(), g.column("seq").to_pylist(), strict=True):
             out.setdefault(step, []).append(seq)
         return list(out.values())
+
+    def request(self, seq_id: int, run: str | None = None) -> dict | None:
+        """A vLLM session's request for this sequence: {"seq_id", "request_id" (vLLM's), "first_position"} (from
+        _requests.jsonl, which the recorder writes as requests start); None for other sessions."""
+        if self._requests is None:
+            self._requests = read_requests(self.path) if self.path else {}
+        return self._requests.get((self._run(run), int(seq_id)))
 
     def prompt(self, seq_id: int, run: str | None = None) -> str | None:
         """The prompt text of a sequence, when the recorder was given it (_prompts.jsonl)."""

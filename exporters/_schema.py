@@ -49,6 +49,7 @@ FORMAT_VERSION = 2  # 1: IPC streams, fixed-size lists, bf16 as raw uint16 bits 
 MANIFEST = "_manifest.json"
 LEGACY_MANIFEST = "manifest.json"  # format 1
 PROMPTS = "_prompts.jsonl"
+REQUESTS = "_requests.jsonl"  # a vLLM session's seq_id -> request id, one JSON line per request
 PARTIAL_PREFIX = "_"
 PARTIAL_SUFFIX = ".inprogress"
 FILE_RE = re.compile(r"^(?P<dtype>[a-z0-9]+)x(?P<hidden>\d+)-(?P<index>\d{5,})\.(?P<ext>arrow|parquet)$")

@@ -1,8 +1,9 @@
-"""Token text for recordings: the `token` column and `_prompts.jsonl`.
+"""Token text for recordings: the `token` column, `_prompts.jsonl` and `_requests.jsonl`.
 
     text = TokenText(tokenizer)          # any object with .decode([id]) (a transformers tokenizer)
     text(np.array([15, 7, 15]))          # pa.array(["def", " x", "def"]): decoded once per distinct id
     append_prompts(Path("rec"), "run-1", [0, 1], ["def f(", "import os"])
+    append_requests(Path("rec"), "run-1", [{"seq_id": 0, "request_id": "7", "first_position": 0}])
 
 Each id is decoded on its own, as TransformerLens' `to_str_tokens` does, so a byte-level
 BPE token reads " the" and not "Ġthe". Decoding happens in the recorder's writer
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ._schema import PROMPTS
+from ._schema import PROMPTS, REQUESTS
 
 
 class TokenText:
@@ -71,5 +72,28 @@ def read_prompts(directory: Path) -> dict[tuple[str, int], str]:
             d = json.loads(line)
             out[(str(d.get("run", "")), int(d["seq_id"]))] = str(d["prompt"])
         except (ValueError, KeyError, TypeError):
+            continue  # a line cut by a crash: the others still count
+    return out
+
+
+def append_requests(directory: Path, run: str, entries: Sequence[dict]) -> None:
+    """One JSON line per request of a vLLM session ({"run", "seq_id", "request_id", "first_position"})."""
+    lines = "".join(json.dumps({**e, "run": run}) + "\n" for e in entries)
+    with open(directory / REQUESTS, "a", encoding="utf-8") as f:
+        f.write(lines)
+
+
+def read_requests(directory: Path) -> dict[tuple[str, int], dict]:
+    """{(run, seq_id): entry} from a recording's _requests.jsonl (empty if there is none)."""
+    out: dict[tuple[str, int], dict] = {}
+    try:
+        text = (Path(directory) / REQUESTS).read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for line in text.splitlines():
+        try:
+            d = json.loads(line)
+            out[(str(d.pop("run", "")), int(d["seq_id"]))] = d
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue  # a line cut by a crash: the others still count
     return out

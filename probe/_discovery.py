@@ -38,13 +38,23 @@ class SessionInfo:
     wire_version: int = 0
     started: float = 0.0
     host: str = ""
+    backend: str = ""  # "vllm" for a vLLM engine's session
+    # A vLLM session's request map: seq_id -> {"seq_id", "request_id" (vLLM's), "first_position"}; a
+    # Subscriber adds the entries of requests that start after its info (REQUESTS_TOPIC).
+    requests: dict[int, dict] = field(default_factory=dict)
+    recomputed: int = 0  # positions a preempted vLLM request computed again (never published twice)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["requests"] = {str(k): v for k, v in self.requests.items()}  # JSON keys are strings
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> SessionInfo:
         known = {f: d[f] for f in cls.__dataclass_fields__ if f in d}
+        requests = known.get("requests")
+        if requests is not None:
+            known["requests"] = {int(k): v for k, v in requests.items()}
         return cls(**known)
 
 

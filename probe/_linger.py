@@ -43,11 +43,12 @@ _HOLD_MAX = 1 << 20  # bytes of held bundles that go at once, whatever their age
 
 
 class HeldBundles:
-    live: bool  # Publisher's (see the module docstring), as is `send_bundle`
+    live: bool  # Publisher's (see the module docstring), as are `send_bundle` and `_queue_control`
 
     def _init_held(self, max_delay: float) -> None:
         self.max_delay = max(0.0, float(max_delay))
-        self._held: list[tuple[bytearray, list[tuple[bytes, int, int]]]] = []  # bundles waiting for later steps
+        # Bundles waiting for later steps, and control messages between them (meta None: `hold_control`).
+        self._held: list[tuple[bytearray | bytes, list[tuple[bytes, int, int]] | None]] = []
         self._held_bytes = 0
         self._held_since = 0.0
         self._held_count = 0  # captures in them
@@ -79,6 +80,17 @@ class HeldBundles:
             for buf, meta in bundles:
                 self.send_bundle(buf, meta)
 
+    def hold_control(self, frame: bytes) -> bool:
+        """Keep a control message with the held bundles, to leave in order with them; False when nothing is
+        being held (a live subscriber, or no linger): the caller sends it now."""
+        if self.live or self.max_delay <= 0:
+            return False
+        with self._order:
+            if not self._held:
+                self._held_since = time.monotonic()
+            self._held.append((frame, None))
+        return True
+
     def _adapt(self, cost: float) -> None:
         """Set the linger from what the model thread's held sends cost it (mostly the wake-up of ZeroMQ's I/O
         thread on another core: microseconds on most machines, milliseconds on some VMs)."""
@@ -99,8 +111,8 @@ class HeldBundles:
     def _hold(self, buf: bytearray, meta: list[tuple[bytes, int, int]]) -> None:
         """Keep a bundle for later, appended to the last held one while that stays within BUNDLE_MAX."""
         held = self._held
-        if held and len(held[-1][0]) + len(buf) - len(BUNDLE_TOPIC) <= BUNDLE_MAX:
-            held[-1][0].extend(memoryview(buf)[len(BUNDLE_TOPIC):])
+        if held and held[-1][1] is not None and len(held[-1][0]) + len(buf) - len(BUNDLE_TOPIC) <= BUNDLE_MAX:
+            held[-1][0].extend(memoryview(buf)[len(BUNDLE_TOPIC):])  # type: ignore[union-attr]
             held[-1][1].extend(meta)
         else:
             held.append((buf, meta))
@@ -112,7 +124,10 @@ class HeldBundles:
         held = self._held
         self._held, self._held_bytes, self._held_count = [], 0, 0
         for buf, meta in held:
-            self.send_bundle(buf, meta)
+            if meta is None:
+                self._queue_control(buf)  # type: ignore[arg-type]
+            else:
+                self.send_bundle(buf, meta)  # type: ignore[arg-type]
 
     def flush_held(self, *, blocking: bool = True) -> None:
         """Send what is held now (close, pause; the control thread once it is a linger old)."""

@@ -104,7 +104,8 @@ class Publisher(HeldBundles):
         self._init_held(max_delay)
         self.degraded = False
         self.last_active = 0.0
-        self.info_body: dict = {}
+        self.info_body: dict | Callable[[], dict] = {}  # or a function: built only when an info is sent
+        self._controls: list[bytes] = []  # control messages a full pipe refused: sent again at later steps
         self._stall_s = 0.0
         self._stall_since: float | None = None
         self._info_due = False
@@ -294,12 +295,12 @@ class Publisher(HeldBundles):
     def step_done(self) -> None:
         """Called by the model's thread after every forward: read subscriptions if any arrived."""
         now = time.monotonic()
-        if now - self.last_active < _SERVICE_EVERY_S and not self._info_due:
+        if now - self.last_active < _SERVICE_EVERY_S and not self._info_due and not self._controls:
             return
         self.last_active = now
         with self.lock:
             try:
-                if self._info_due or self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if self._info_due or self._controls or self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     self._service()
             except zmq.ZMQError:  # closed by close() from another thread while this forward ran
                 pass
@@ -309,11 +310,31 @@ class Publisher(HeldBundles):
         since = self._stall_since
         return self._stall_s + (time.monotonic() - since if since is not None else 0.0)
 
-    def set_info(self, body: dict) -> None:
+    def set_info(self, body: dict | Callable[[], dict], *, send: bool = True) -> None:
+        """The session's description, sent now (`send`) and to every subscriber that joins later. A function
+        is called only when an info goes out: a vLLM worker's request map can hold 10,000 entries, 1.3 MB of
+        JSON that took 16.6 ms to encode, which its steps must not pay each time a request starts."""
         with self.lock:
             self.info_body = body
-            self._info_due = True
+            self._info_due = self._info_due or send
             self._service()
+
+    def send_control(self, frame: bytes, *, hold: bool = False) -> None:
+        """A control message (`encode_control`) from the model's thread, after any still waiting: a full pipe
+        under `complete` keeps it for a later step instead of stalling the model (under `best_effort` ZeroMQ
+        drops it at a slow subscriber like any message). With `hold` (a step's end) it joins the held bundles
+        when they are being held, and leaves with them, in order."""
+        if hold and self.hold_control(frame):
+            return
+        with self._order:
+            if self._held:
+                self._send_held()
+            self._queue_control(frame)
+
+    def _queue_control(self, frame: bytes) -> None:
+        with self.lock:
+            self._controls.append(frame)
+            self._send_controls()
 
     # --- under the lock ------------------------------------------------------------------------
     def _service(self) -> None:
@@ -339,14 +360,28 @@ class Publisher(HeldBundles):
                 else:
                     self.topics.discard(topic)
                 self.bundling = self.topics <= _UNFILTERED
+        self._send_controls()
         if self._info_due and self.info_body:
             try:
+                info = self.info_body() if callable(self.info_body) else self.info_body
                 # With the per-site counts so far: a late joiner starts counting losses from there.
-                body = {**self.info_body, "counts": {k.decode(): v for k, v in self.counts.items()}}
+                body = {**info, "counts": {k.decode(): v for k, v in self.counts.items()}}
                 sock.send(encode_control(INFO_TOPIC, body), zmq.NOBLOCK)
                 self._info_due = False
             except zmq.Again:
                 pass  # a full pipe under NODROP: try again at the next step or tick
+            except Exception as exc:  # the info function failed: the session goes on, it is tried again later
+                warnings.warn(f"probebus: could not build the session info: {exc!r}", stacklevel=2)
+
+    def _send_controls(self) -> None:
+        """Send the waiting control messages, in order, until the pipe is full (under the lock)."""
+        controls = self._controls
+        try:
+            while controls:
+                self.sock.send(controls[0], zmq.NOBLOCK)
+                del controls[0]
+        except zmq.ZMQError:  # Again: a full pipe under NODROP (later); else closed under us
+            pass
 
     # --- closing ---------------------------------------------------------------------------------
     def close(self, end_body: dict, timeout: float) -> None:

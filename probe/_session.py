@@ -180,7 +180,7 @@ class ProbeSession:
                                                                               type(self.model).__name__),
             config_hash=self._config_hash, dtype=str(param.dtype).removeprefix("torch.") if param is not None
             else "", sites=self.sites, policy=self.policy, probebus_version=_version(), wire_version=VERSION,
-            started=self._started, host=socket.gethostname())
+            started=self._started, host=socket.gethostname(), backend="transformers")
 
     @property
     def stats(self) -> ProbeStats:

@@ -4,6 +4,7 @@
     for cap in sub:                       # blocks until the session ends; or sub.recv(timeout=1.0)
         print(cap.site, cap.step, cap.positions, cap.tensor.shape)
     sub.info                              # the session: model, dtype, sites, run, pid ...
+    sub.info.requests[seq_id]             # a vLLM session: {"request_id", "first_position", ...}
     sub.stats.missed                      # captures the session published that never reached us
 
 Frames are validated before anything is built; a malformed message is counted in
@@ -19,6 +20,7 @@ passes `live=True`: while one is connected, every step goes out at its end.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 import warnings
@@ -33,6 +35,7 @@ import zmq
 from ._curve import subscriber_keys
 from ._discovery import SessionInfo
 from ._malloc import keep_freed_frames
+from ._requests import RequestMap
 from ._sites import SiteMatcher
 from ._wire import (
     BUNDLE_TOPIC,
@@ -42,6 +45,7 @@ from ._wire import (
     INFO_TOPIC,
     LIVE_PRESENCE,
     PRESENCE,
+    REQUESTS_TOPIC,
     WireError,
     decode_control,
     decode_fields,
@@ -166,6 +170,7 @@ class Subscriber:
         self._received_by_site: dict[str, int] = {}
         self._warned_version = False
         self._held: deque[Capture] = deque()  # captures that arrived while wait_info looked for the info
+        self._requests = RequestMap()  # a vLLM session's seq_id -> request (`info.requests`, `take_requests`)
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -177,6 +182,7 @@ class Subscriber:
         if not self.matcher.everything:  # b"" already covers the control topics
             self._sock.setsockopt(zmq.SUBSCRIBE, INFO_TOPIC)
             self._sock.setsockopt(zmq.SUBSCRIBE, END_TOPIC)
+            self._sock.setsockopt(zmq.SUBSCRIBE, REQUESTS_TOPIC)
         # Subscribed last: once the publisher sees it, all topic filters above are in place.
         # A live subscriber's presence topic tells the publisher to send every step at its end instead of
         # holding steps for up to its max_delay (see `Publisher.send_bundles`).
@@ -291,12 +297,21 @@ class Subscriber:
         try:
             if frame.startswith(INFO_TOPIC):
                 body = decode_control(frame, INFO_TOPIC)
-                self.info = SessionInfo.from_dict(body)
+                info = SessionInfo.from_dict(body)
+                self.info = dataclasses.replace(info, requests=self._requests.from_info(info.requests))
                 for site, n in (body.get("counts") or {}).items():  # published before we joined: not missed
                     self._next_seq.setdefault(str(site), int(n))
             elif frame.startswith(END_TOPIC):
                 self._end(decode_control(frame, END_TOPIC))
-            # other control topics (none today) are for newer versions: ignored, not malformed
+            elif frame.startswith(REQUESTS_TOPIC):
+                body = decode_control(frame, REQUESTS_TOPIC)
+                if self._requests.from_delta(body.get("requests") or {}) and not self.ended:
+                    # A lost message: re-announcing our presence makes the publisher send its whole map again.
+                    self._sock.setsockopt(zmq.UNSUBSCRIBE, self.presence)
+                    self._sock.setsockopt(zmq.SUBSCRIBE, self.presence)
+                if self.info is not None and "recomputed" in body:
+                    self.info = dataclasses.replace(self.info, recomputed=int(body["recomputed"]))
+            # other control topics are for newer versions: ignored, not malformed
         except (WireError, TypeError, ValueError):
             self._malformed("control", "bad control message")
 
@@ -316,6 +331,11 @@ class Subscriber:
         if len(self._ended_from) >= self._publishers:
             self.ended = True  # acknowledge, so the publishers may close their sockets
             self._sock.setsockopt(zmq.UNSUBSCRIBE, self.presence)
+
+    def take_requests(self) -> list[dict]:
+        """A vLLM session's request-map entries ({"seq_id", "request_id", "first_position"}) that arrived since
+        the last call, in arrival order; `info.requests` keeps them all (the last 100,000)."""
+        return self._requests.take()
 
     def wait_info(self, timeout: float = 5.0) -> SessionInfo | None:
         """The session's description, waiting up to `timeout` s for it (None: nobody serves the endpoint).

@@ -57,7 +57,7 @@ from ._identity import DECODE, PREFILL, StepIdentity
 from ._placement import parent_cpus
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
 from ._sites import SiteKey
-from ._wire import VERSION
+from ._wire import REQUESTS_TOPIC, VERSION, encode_control
 
 _MAX_REQUESTS = 10_000  # request-map entries kept in the session info (oldest dropped first)
 
@@ -183,7 +183,7 @@ class VllmProbe:
         self._seq: OrderedDict[str, dict] = OrderedDict()  # vLLM request id -> {"seq_id", "first_position"}
         self._next_pos: dict[str, int] = {}
         self._next_seq_id = 0
-        self._new_requests = False
+        self._new_requests: dict[str, dict] = {}  # entries of requests that started since the last step's end
         self.recomputed = 0
         self.publisher: Publisher | None = None
         self.endpoint = ""
@@ -202,7 +202,7 @@ class VllmProbe:
         model = self.arch.model
         self._handles = [tap(model, self._step_start, pre=True), tap(model, self._step_end, pre=False)]
         self._handles += [self.arch.hook(site, self._capture) for site in self.sites]
-        self.publisher.set_info(self.info())
+        self.publisher.set_info(self.info)  # built when an info goes out (a new subscriber), never per step
         self._registered = _discovery.register(_discovery.SessionInfo.from_dict(self.info()))
 
     # --- identity from the model runner's flat batch ------------------------------------------
@@ -270,8 +270,8 @@ class VllmProbe:
         if got is None:
             got = self._seq[rid] = {"seq_id": self._next_seq_id, "first_position": first,
                                     "request_id": _external_id(rid)}
+            self._new_requests[str(self._next_seq_id)] = got
             self._next_seq_id += 1
-            self._new_requests = True
             if len(self._seq) > _MAX_REQUESTS:
                 old, _ = self._seq.popitem(last=False)
                 self._next_pos.pop(old, None)
@@ -289,12 +289,13 @@ class VllmProbe:
         pub = self.publisher
         assert pub is not None
         try:
+            if self._new_requests:  # only the new entries (the info, which has them all, goes to new subscribers)
+                new, self._new_requests = self._new_requests, {}
+                pub.send_control(encode_control(REQUESTS_TOPIC, {"run": self.run, "requests": new,
+                                                                 "recomputed": self.recomputed}), hold=True)
             self._copy.flush_device(block=False)  # the step's small captures, in one burst
         except Exception:  # never crash the engine being observed
             pass
-        if self._new_requests:
-            self._new_requests = False
-            pub.set_info(self.info())
         pub.step_done()
 
     # --- control (called through collective_rpc) ----------------------------------------------
@@ -304,9 +305,11 @@ class VllmProbe:
             run=self.run, endpoint=self.endpoint, pid=os.getpid(), model=self.model_name,
             config_hash=self._config_hash, dtype=str(cfg.dtype).removeprefix("torch."),
             sites=self.sites, policy=self.policy, probebus_version=_version(), wire_version=VERSION,
-            started=self.started, host=socket.gethostname(),
-        ).to_dict() | {"backend": "vllm", "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
-                       "requests": dict(self._seq), "recomputed": self.recomputed}
+            started=self.started, host=socket.gethostname(), backend="vllm",
+        ).to_dict() | {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
+                       # list() first: one C call, so the control thread may build this while the model steps
+                       "requests": {str(v["seq_id"]): v for v in list(self._seq.values())},
+                       "recomputed": self.recomputed}
 
     def stats(self) -> dict:
         if self.publisher is None:

@@ -46,8 +46,12 @@ when the I/O thread sleeps, a wake-up on another core.
 Control messages are one frame, `topic + JSON`, on topics that start with 0x00 (no
 site does): INFO_TOPIC carries the session's description (sent again whenever a
 subscriber joins, so late joiners get it), END_TOPIC the end of stream with per-site
-counts. Subscribers never subscribe to another subscriber's PRESENCE topic, so these
-are the only control messages anyone receives.
+counts, REQUESTS_TOPIC (a vLLM session) the request-map entries of requests that started
+since the last one: `{"requests": {"<seq_id>": {"seq_id", "request_id", "first_position"}},
+"recomputed": n}`. seq_ids are consecutive, so a subscriber that sees one skipped lost a
+message and re-announces its presence, which brings the whole map again in an info.
+Subscribers never subscribe to another subscriber's PRESENCE topic, so these are the only
+control messages anyone receives; a control topic a subscriber does not know is ignored.
 
 Why not one frame per part: each ZeroMQ frame costs a send and a receive call
 (~2-3 us each from Python), which dominated small decode captures; below pyzmq's
@@ -97,6 +101,7 @@ PRESENCE = CONTROL + b"subscriber/"  # + a subscriber's uuid: subscribed to, nev
 LIVE_PRESENCE = PRESENCE + b"live/"  # + uuid: a subscriber that needs every step at its end (no holding)
 INFO_TOPIC = CONTROL + b"info "
 END_TOPIC = CONTROL + b"end "
+REQUESTS_TOPIC = CONTROL + b"requests "  # new entries of a vLLM session's request map (the info has all of it)
 BUNDLE_TOPIC = CONTROL + b"bundle "
 BUNDLE_MAX = 1 << 16  # bytes per bundle (one capture may exceed it alone): ZeroMQ's queue stays ~SNDHWM x 64 KiB
 LENGTH = struct.Struct("<I")

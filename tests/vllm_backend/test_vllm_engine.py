@@ -43,18 +43,25 @@ def _tokenizer():
 
 
 def _record(llm, prompts, max_tokens: int, sites=SITES):
+    """Returns the outputs, the captures and the request map *the subscriber* received over the bus (its info
+    at join plus the entries of each request as it started), checked against the worker's own map."""
     params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     with probe.vllm.attach(llm, sites) as session:
         sub = probe.Subscriber(session.endpoint)
         session.wait_for_subscribers(1, timeout=30)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        info = session.info
+        worker = session.info
     caps = [c for c in sub.iter(idle_timeout=30)]
     assert sub.ended and sub.stats.missed == 0 and sub.stats.malformed == 0
     stats = session.stats
     assert stats.captured == stats.published == len(caps) and stats.dropped == 0
+    assert sub.info.backend == "vllm" and sub.info.recomputed == worker["recomputed"]
+    received = {str(k): v for k, v in sub.info.requests.items()}
+    assert received == worker["requests"] and len(received) == len(prompts)
+    assert {int(s) for c in caps for s in c.seq_ids.tolist()} <= set(sub.info.requests)
+    assert sorted(e["seq_id"] for e in sub.take_requests()) == sorted(sub.info.requests)
     sub.close()
-    return outs, caps, info
+    return outs, caps, {"requests": received}
 
 
 def _seq_of(info: dict, request_id: str) -> dict:
@@ -150,8 +157,13 @@ def test_existing_subscribers_work_unchanged(llm, tmp_path) -> None:
         with exporters.ArrowRecorder(session.endpoint, tmp_path / "rec"):
             session.wait_for_subscribers(1, timeout=30)
             llm.generate(["def a():", "import re\n"], params, use_tqdm=False)
+            outs = llm.generate(["def b():", "import os\n"], params, use_tqdm=False)
     rec = exporters.read_recording(tmp_path / "rec")
-    assert rec.num_rows == 8 * (2 * 4 + 2 * 5), "8 layers x (2 prompts of 4 tokens + 5 decode steps of 2 rows)"
+    assert rec.num_rows == 2 * 8 * (2 * 4 + 2 * 5), "8 layers x (2 prompts of 4 tokens + 5 decode steps of 2 rows)"
+    # Which vLLM request each recorded sequence is (_requests.jsonl, written as the requests started).
+    first = min(seq for _, seq in rec.sequences())
+    assert [rec.request(first + 2 + i)["request_id"] for i in range(2)] == [o.request_id for o in outs]
+    assert [rec.request(seq)["seq_id"] for _, seq in rec.sequences()] == [seq for _, seq in rec.sequences()]
 
 
 def test_a_curve_session_admits_only_its_listed_clients(llm) -> None:

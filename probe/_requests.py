@@ -1,0 +1,67 @@
+"""A subscriber's copy of a vLLM session's request map: which vLLM request each seq_id is.
+
+    sub.info.requests[cap.seq_ids[0]]   # {"seq_id": 3, "request_id": "7", "first_position": 0}
+    sub.take_requests()                 # entries that arrived since the last call (a recorder writes them)
+
+The worker assigns seq_ids in the order requests start (0, 1, 2 ...). The session info
+carries the whole map (its last 10,000 entries) and goes out when a subscriber joins;
+each step that starts requests sends only their entries (REQUESTS_TOPIC), because
+re-encoding the whole map at every such step cost a busy worker up to 16.6 ms a step.
+Consecutive seq_ids make a lost message visible: an entry past the next expected one
+means one went missing (a best-effort subscriber dropped it at its high-water mark), and
+the subscriber asks for the whole map again by re-announcing its presence (at most once
+a second), which makes the publisher send its info to every subscriber.
+"""
+
+from __future__ import annotations
+
+import time
+
+KEEP = 100_000  # entries a subscriber keeps (oldest dropped first); the worker keeps 10,000
+_RESYNC_EVERY_S = 1.0
+
+
+class RequestMap:
+    def __init__(self) -> None:
+        self.entries: dict[int, dict] = {}  # seq_id -> entry, oldest first (shared with `SessionInfo.requests`)
+        self.highest = -1  # the highest seq_id known
+        self.have_info = False  # a session info has set the baseline: from then on a skipped seq_id is a loss
+        self._new: list[dict] = []  # entries not yet taken
+        self._resync_at = 0.0
+
+    def from_info(self, requests: dict[int, dict]) -> dict[int, dict]:
+        """Merge an info's whole map into what is known; returns the merged map for the new `SessionInfo`."""
+        self.have_info = True
+        self._add(requests)
+        return self.entries
+
+    def from_delta(self, requests: dict) -> bool:
+        """Merge a REQUESTS_TOPIC message's entries; True when one was skipped (a message was lost) and the
+        whole map should be asked for again now."""
+        new = {int(k): v for k, v in requests.items()}
+        if not new:
+            return False
+        gap = self.have_info and min(new) > self.highest + 1
+        self._add(new)
+        if gap and time.monotonic() - self._resync_at >= _RESYNC_EVERY_S:
+            self._resync_at = time.monotonic()
+            return True
+        return False
+
+    def _add(self, requests: dict[int, dict]) -> None:
+        entries = self.entries
+        for seq_id, entry in requests.items():
+            if not isinstance(entry, dict):
+                raise TypeError(f"request entry {seq_id} is not an object")
+            if seq_id not in entries:
+                self._new.append(entry)
+            entries[seq_id] = entry
+            self.highest = max(self.highest, seq_id)
+        while len(entries) > KEEP:
+            del entries[next(iter(entries))]
+        if len(self._new) > KEEP:
+            del self._new[: len(self._new) - KEEP]
+
+    def take(self) -> list[dict]:
+        new, self._new = self._new, []
+        return new
