@@ -2,25 +2,8 @@
 
 Runs in the worker process (installed by `probe.vllm.WorkerExtension` through
 `collective_rpc`); the caller never imports vLLM for it. vLLM runs one flat batch of
-tokens per step, many requests mixed, prefills chunked. Before each forward the
-model runner has already laid out, on the host, which request each token belongs to
-(`query_start_loc`), how many of its tokens were computed before (`num_computed_tokens`)
-and its prompt length; identity is read from there with numpy:
-
-- a token's position is its request's computed count plus its index in the chunk;
-  a prefix-cache hit starts the first chunk past the cached prefix, so those
-  positions never appear, and each request's first published position is in the
-  request map of the session info (`first_position`);
-- phase: prefill while the position is inside the prompt, decode after it; a flat
-  step with both is published as two captures per site (one per phase);
-- a request that is preempted and recomputed would compute positions it already
-  published: they are skipped (never duplicated) and counted (`recomputed`);
-- padding tokens past the scheduled count are never published.
-
-The common step, every running request decoding one token, takes a plain-Python path
-(lists from the runner's host arrays, one bytes object for the rows): inside a running
-model each numpy call costs 5-40 us because its code is cold between layers, and the
-general path below makes a few dozen of them.
+tokens per step, many requests mixed, prefills chunked; which request, position, token
+and phase each row is comes from the model runner's host arrays (`_vllm_identity.py`).
 
 vLLM's decoder layers pass `(hidden_states, residual)` and fuse the residual add into
 the next norm, which returns `(normed, hidden_states + residual)` (in place with vLLM's C
@@ -39,11 +22,8 @@ import os
 import socket
 import time
 import uuid
-from array import array
-from collections import OrderedDict
 from functools import partial
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -53,13 +33,12 @@ from ._copy import CopyPath
 from ._curve import curve_settings
 from ._endpoint import bind_address, remove_private
 from ._hooks import tap
-from ._identity import DECODE, PREFILL, StepIdentity
+from ._identity import StepIdentity
 from ._placement import parent_cpus
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
 from ._sites import SiteKey
+from ._vllm_identity import FlatBatchIdentity
 from ._wire import REQUESTS_TOPIC, VERSION, encode_control
-
-_MAX_REQUESTS = 10_000  # request-map entries kept in the session info (oldest dropped first)
 
 
 class VllmArch:
@@ -174,17 +153,12 @@ class VllmProbe:
         # Once: to_diff_dict + JSON + sha256 of the config cost ~1 ms, and `info()` runs at every step that brings
         # a new request (1.2-1.8 ms a call timed in the worker, once per generate call at batch 1 and 8).
         self._config_hash = _discovery.config_hash(cfg.model_config.hf_config)
-        self.step = 0
         self.sites = [s for s in self.arch.local_sites() if s in set(sites)]
         self.publishing = self.tp_rank == 0 and bool(self.sites)
         self._ipc_dir: str | None = None
         self._handles: list = []
         self._idents: list[StepIdentity] = []
-        self._seq: OrderedDict[str, dict] = OrderedDict()  # vLLM request id -> {"seq_id", "first_position"}
-        self._next_pos: dict[str, int] = {}
-        self._next_seq_id = 0
-        self._new_requests: dict[str, dict] = {}  # entries of requests that started since the last step's end
-        self.recomputed = 0
+        self._flat = FlatBatchIdentity()  # request, position, token and phase of each row, step by step
         self.publisher: Publisher | None = None
         self.endpoint = ""
         if not self.publishing:
@@ -205,77 +179,9 @@ class VllmProbe:
         self.publisher.set_info(self.info)  # built when an info goes out (a new subscriber), never per step
         self._registered = _discovery.register(_discovery.SessionInfo.from_dict(self.info()))
 
-    # --- identity from the model runner's flat batch ------------------------------------------
+    # --- the model's thread ---------------------------------------------------------------------
     def _step_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        r = self.runner
-        ib = r.input_batch
-        nreq = ib.num_reqs
-        qsl = r.query_start_loc.np[: nreq + 1]
-        n = int(qsl[nreq])
-        padded = _num_tokens(args, kwargs, n)
-        if n == nreq == padded and n:
-            fast = self._decode_step(r, ib, qsl, n)
-            if fast is not None:
-                self._idents = [fast]
-                return
-        req_index = np.repeat(np.arange(nreq), np.diff(qsl))
-        pos = ib.num_computed_tokens_cpu[:nreq][req_index] + (np.arange(n) - qsl[:-1][req_index])
-        tokens = r.input_ids.np[:n].astype(np.int64, copy=False)
-        keep = np.ones(n, dtype=bool)
-        seq_ids = np.empty(nreq, dtype=np.int64)
-        for i, rid in enumerate(ib.req_ids[:nreq]):
-            lo, hi = int(qsl[i]), int(qsl[i + 1])
-            if hi == lo:
-                seq_ids[i] = -1
-                continue
-            seq_ids[i] = self._seq_id(rid, int(pos[lo]))
-            nxt = self._next_pos.get(rid, 0)
-            if pos[lo] < nxt:  # preempted and recomputed: these positions were published already
-                dup = pos[lo:hi] < nxt
-                keep[lo:hi] &= ~dup
-                self.recomputed += int(dup.sum())
-            self._next_pos[rid] = max(nxt, int(pos[hi - 1]) + 1)
-        prefill = pos < ib.num_prompt_tokens[:nreq][req_index]
-        self.step += 1
-        self._idents = []
-        for phase, mask in ((PREFILL, prefill & keep), (DECODE, ~prefill & keep)):
-            if mask.any():
-                self._idents.append(_flat_identity(self.step, phase, padded, n, mask, seq_ids[req_index], pos,
-                                                   tokens, r.device))
-
-    def _decode_step(self, r: object, ib: object, qsl: np.ndarray, n: int) -> StepIdentity | None:
-        """Every request decodes one token, none new, none recomputed: identity in plain Python (None: the
-        general path). Nothing is changed before every check has passed."""
-        if qsl.tolist() != list(range(n + 1)):
-            return None
-        pos = ib.num_computed_tokens_cpu[:n].tolist()  # type: ignore[attr-defined]
-        prompt = ib.num_prompt_tokens[:n].tolist()  # type: ignore[attr-defined]
-        rids = ib.req_ids[:n]  # type: ignore[attr-defined]
-        seq, nxt = self._seq, self._next_pos
-        seq_ids = []
-        for rid, p, lim in zip(rids, pos, prompt, strict=True):
-            got = seq.get(rid)
-            if got is None or p < lim or p < nxt.get(rid, 0):  # new, still in its prompt, or recomputed
-                return None
-            seq_ids.append(got["seq_id"])
-        for rid, p in zip(rids, pos, strict=True):
-            nxt[rid] = p + 1
-        tok = r.input_ids.np[:n].tolist()  # type: ignore[attr-defined]
-        self.step += 1
-        return StepIdentity(self.step, DECODE, n, 1, None, np.asarray(seq_ids, dtype=np.int64), None, None,
-                            r.device, {1: (None, array("q", seq_ids + pos + tok).tobytes(), n)})  # type: ignore[attr-defined]
-
-    def _seq_id(self, rid: str, first: int) -> int:
-        got = self._seq.get(rid)
-        if got is None:
-            got = self._seq[rid] = {"seq_id": self._next_seq_id, "first_position": first,
-                                    "request_id": _external_id(rid)}
-            self._new_requests[str(self._next_seq_id)] = got
-            self._next_seq_id += 1
-            if len(self._seq) > _MAX_REQUESTS:
-                old, _ = self._seq.popitem(last=False)
-                self._next_pos.pop(old, None)
-        return got["seq_id"]
+        self._idents = self._flat.step(self.runner, args, kwargs)
 
     def _capture(self, key: SiteKey, t: torch.Tensor) -> None:
         try:
@@ -289,10 +195,10 @@ class VllmProbe:
         pub = self.publisher
         assert pub is not None
         try:
-            if self._new_requests:  # only the new entries (the info, which has them all, goes to new subscribers)
-                new, self._new_requests = self._new_requests, {}
+            new = self._flat.new_requests()
+            if new:  # only the new entries (the info, which has them all, goes to new subscribers)
                 pub.send_control(encode_control(REQUESTS_TOPIC, {"run": self.run, "requests": new,
-                                                                 "recomputed": self.recomputed}), hold=True)
+                                                                 "recomputed": self._flat.recomputed}), hold=True)
             self._copy.flush_device(block=False)  # the step's small captures, in one burst
         except Exception:  # never crash the engine being observed
             pass
@@ -307,9 +213,7 @@ class VllmProbe:
             sites=self.sites, policy=self.policy, probebus_version=_version(), wire_version=VERSION,
             started=self.started, host=socket.gethostname(), backend="vllm",
         ).to_dict() | {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
-                       # list() first: one C call, so the control thread may build this while the model steps
-                       "requests": {str(v["seq_id"]): v for v in list(self._seq.values())},
-                       "recomputed": self.recomputed}
+                       "requests": self._flat.requests(), "recomputed": self._flat.recomputed}
 
     def stats(self) -> dict:
         if self.publisher is None:
@@ -318,7 +222,7 @@ class VllmProbe:
         pub, cp = self.publisher, self._copy
         return {"captured": cp.captured, "published": pub.published, "dropped": cp.dropped + pub.dropped,
                 "bytes": pub.bytes, "stall_seconds": pub.stall_seconds, "subscribers": len(pub.subscribers),
-                "degraded": pub.degraded, "publishing": True, "recomputed": self.recomputed, "queued": cp.queued}
+                "degraded": pub.degraded, "publishing": True, "recomputed": self._flat.recomputed, "queued": cp.queued}
 
     def wait_for_subscribers(self, n: int, timeout: float | None) -> int:
         pub = self.publisher
@@ -350,34 +254,6 @@ def spare_cpus() -> set[int] | None:
     model's core. The cores the engine process (our parent) may use are the ones vLLM left."""
     allowed = parent_cpus() or set(range(os.cpu_count() or 1))
     return (allowed - os.sched_getaffinity(0)) or None
-
-
-def _num_tokens(args: tuple, kwargs: dict, n: int) -> int:
-    """Rows of this forward (the scheduled tokens plus any padding vLLM added)."""
-    for a in (*args[:2], kwargs.get("input_ids"), kwargs.get("positions")):
-        if isinstance(a, torch.Tensor) and a.dim() >= 1:
-            return int(a.shape[-1] if a.dim() == 2 else a.shape[0])  # M-RoPE positions are [3, T]
-    return n
-
-
-def _flat_identity(step: int, phase: int, padded: int, n: int, mask: np.ndarray, seq_ids: np.ndarray,
-                   pos: np.ndarray, tokens: np.ndarray, device: torch.device) -> StepIdentity:
-    """The flat batch as [padded, 1]: one row per token, each with its own request, position and id."""
-    valid = np.zeros((padded, 1), dtype=bool)
-    valid[:n, 0] = mask
-    full_ids = np.full(padded, -1, dtype=np.int64)
-    full_ids[:n] = seq_ids
-    full_pos = np.zeros((padded, 1), dtype=np.int64)
-    full_pos[:n, 0] = pos
-    full_tok = np.full((padded, 1), -1, dtype=np.int64)
-    full_tok[:n, 0] = tokens
-    return StepIdentity(step, phase, padded, 1, valid, full_ids, full_pos, full_tok, device)
-
-
-def _external_id(rid: str) -> str:
-    """The id the caller gave: vLLM 0.32 appends "-" and 8 random characters inside the engine."""
-    head, _, tail = rid.rpartition("-")
-    return head if head and len(tail) == 8 else rid
 
 
 def new_run() -> str:

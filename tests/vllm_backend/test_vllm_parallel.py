@@ -62,6 +62,8 @@ def test_tp2_publishes_once_preemption_never_duplicates_and_rows_match(llm, mode
     caps = list(sub.iter(idle_timeout=30))
     assert sub.ended and sub.stats.missed == 0 and session.stats.captured == len(caps)
     assert info["recomputed"] > 0, "the 6-block cache must have preempted a request"
+    assert sub.info.recomputed == info["recomputed"], "the count reaches subscribers with the request entries"
+    assert {str(k): v for k, v in sub.info.requests.items()} == info["requests"]
     rows = collections.Counter()
     for c in caps:
         rows.update((c.site, s, p) for s, p in zip(c.seq_ids.tolist(), c.positions.tolist(), strict=True))
