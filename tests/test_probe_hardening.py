@@ -219,12 +219,27 @@ def check_ring_survives_a_failed_capture(model: torch.nn.Module, forward) -> Non
     assert stats.captured == 13 and stats.dropped == 1 and len(caps) == 12, (stats, len(caps))
 
 
-def test_a_failed_large_capture_frees_its_ring_slot(monkeypatch) -> None:  # noqa: ANN001
-    model = build("llama")
-    from probe._copy import CopyPath
+@pytest.mark.parametrize("rows", ["all", "some"])
+def test_a_failed_large_capture_frees_its_ring_slot(monkeypatch, rows: str) -> None:  # noqa: ANN001
+    """Every row of a contiguous activation is one memmove into the ring; rows picked out of padding go through
+    numpy (`_copy_rows`). A failure in either must free the slot."""
+    import probe._copy as copy_path
 
-    fail_first_copy(monkeypatch, CopyPath, "_copy_rows")
-    check_ring_survives_a_failed_capture(model, lambda: _forward(model, 1, seq=512))  # 512 x 64 x 4 B = 128 KiB
+    model = build("llama")
+    if rows == "all":
+        fail_first_copy(monkeypatch, copy_path, "_memmove")
+        check_ring_survives_a_failed_capture(model, lambda: _forward(model, 1, seq=512))  # 512 x 64 x 4 B = 128 KiB
+        return
+    ids = (torch.arange(512) % 100 + 3).reshape(2, 256)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding: 510 rows of 64 x 4 B, picked out by index
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(ids, attention_mask=mask)
+
+    fail_first_copy(monkeypatch, copy_path.CopyPath, "_copy_rows")
+    check_ring_survives_a_failed_capture(model, forward)
 
 
 def test_big_payloads_are_zero_copy_views_of_the_frame() -> None:
