@@ -108,6 +108,8 @@ def inspect_view(info: dict[str, Any]) -> Group:
     head.add_row("files", f"{len(info['files'])} complete, {len(info['partial_files'])} in progress "
                           f"({info['salvaged_rows']:,} rows readable in them)")
     head.add_row("total", f"{info['rows']:,} rows, {_mb(info['bytes'])} MB of activations")
+    if info.get("requests"):
+        head.add_row("requests", f"{info['requests']:,} vLLM requests mapped to seq_ids (Recording.request)")
     if info.get("lost") not in (None, "nothing"):
         head.add_row("lost", Text(str(info["lost"]), style="yellow"))
     if info.get("interrupted_by"):

@@ -19,6 +19,7 @@ import numpy as np
 
 from ._reader import iter_recording, recording_info
 from ._schema import activation_dtype, activation_values, dtype_name
+from ._text import read_requests
 
 
 class _Site:
@@ -75,4 +76,5 @@ def summarize_recording(path: str | Path) -> dict[str, Any]:
     out["sites"] = per_site
     out["rows"] = sum(r["rows"] for r in per_site)
     out["bytes"] = sum(r["bytes"] for r in per_site)
+    out["requests"] = len(read_requests(Path(path)))  # a vLLM session's seq_id -> request map (_requests.jsonl)
     return out

@@ -164,6 +164,7 @@ def test_existing_subscribers_work_unchanged(llm, tmp_path) -> None:
     first = min(seq for _, seq in rec.sequences())
     assert [rec.request(first + 2 + i)["request_id"] for i in range(2)] == [o.request_id for o in outs]
     assert [rec.request(seq)["seq_id"] for _, seq in rec.sequences()] == [seq for _, seq in rec.sequences()]
+    assert exporters.summarize_recording(tmp_path / "rec")["requests"] == 4  # `probebus inspect` says so too
 
 
 def test_a_curve_session_admits_only_its_listed_clients(llm) -> None:
