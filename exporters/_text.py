@@ -54,46 +54,42 @@ def append_prompts(directory: Path, run: str, seq_ids: Sequence[int], prompts: S
     """One JSON line per sequence ({"prompt", "seq_id", "run"}): the --prompts format, so it can be replayed."""
     if len(seq_ids) != len(prompts):
         raise ValueError(f"{len(seq_ids)} seq_ids for {len(prompts)} prompts")
-    lines = "".join(json.dumps({"prompt": p, "seq_id": int(s), "run": run}) + "\n"
-                    for s, p in zip(seq_ids, prompts, strict=True))
-    with open(directory / PROMPTS, "a", encoding="utf-8") as f:
-        f.write(lines)
+    _append(directory / PROMPTS, [{"prompt": p, "seq_id": int(s), "run": run}
+                                  for s, p in zip(seq_ids, prompts, strict=True)])
 
 
 def read_prompts(directory: Path) -> dict[tuple[str, int], str]:
     """{(run, seq_id): prompt} from a recording's _prompts.jsonl (empty if there is none)."""
-    out: dict[tuple[str, int], str] = {}
-    try:
-        text = (Path(directory) / PROMPTS).read_text(encoding="utf-8")
-    except (FileNotFoundError, NotADirectoryError):
-        return out
-    for line in text.splitlines():
-        try:
-            d = json.loads(line)
-            out[(str(d.get("run", "")), int(d["seq_id"]))] = str(d["prompt"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut by a crash: the others still count
-    return out
+    return {key: str(d["prompt"]) for key, d in _read(Path(directory) / PROMPTS) if "prompt" in d}
 
 
 def append_requests(directory: Path, run: str, entries: Sequence[dict]) -> None:
     """One JSON line per request of a vLLM session ({"run", "seq_id", "request_id", "first_position"})."""
-    lines = "".join(json.dumps({**e, "run": run}) + "\n" for e in entries)
-    with open(directory / REQUESTS, "a", encoding="utf-8") as f:
-        f.write(lines)
+    _append(directory / REQUESTS, [{**e, "run": run} for e in entries])
 
 
 def read_requests(directory: Path) -> dict[tuple[str, int], dict]:
     """{(run, seq_id): entry} from a recording's _requests.jsonl (empty if there is none)."""
-    out: dict[tuple[str, int], dict] = {}
+    return dict(_read(Path(directory) / REQUESTS))
+
+
+def _append(path: Path, rows: list[dict]) -> None:
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(lines)
+
+
+def _read(path: Path) -> list[tuple[tuple[str, int], dict]]:
+    """((run, seq_id), the rest of the line's object) per line of a sidecar; none if there is no file."""
     try:
-        text = (Path(directory) / REQUESTS).read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except (FileNotFoundError, NotADirectoryError):
-        return out
+        return []
+    out = []
     for line in text.splitlines():
         try:
             d = json.loads(line)
-            out[(str(d.pop("run", "")), int(d["seq_id"]))] = d
+            out.append(((str(d.pop("run", "")), int(d["seq_id"])), d))
         except (ValueError, KeyError, TypeError, AttributeError):
             continue  # a line cut by a crash: the others still count
     return out
