@@ -6,6 +6,8 @@
     pub.send_bundles([(bundle, meta), ...], hold=True)  # the same at a step's end, held for later steps' send
     held = pub.send(site, envelope, payload)      # big capture: envelope + zero-copy payload
     held() is None                                # ZeroMQ is done with the payload's memory
+    pub.set_info(build_info)                      # a dict, or a function called only when an info goes out
+    pub.send_control(encode_control(topic, body), hold=True)  # in order with the held bundles
     pub.close(end_body, timeout=30.0)             # end of stream in the background
 
 There is no publisher thread: the model's thread hands each capture to ZeroMQ itself,
