@@ -63,7 +63,7 @@ class HeldBundles:
         """Hand bundles to ZeroMQ after any held before them; with `hold` (a step's end), keep them for a later
         step's send unless a live subscriber is present or the oldest held is `max_delay` old."""
         with self._order:
-            if hold and not self.live and self.max_delay > 0:
+            if hold and self._holding:
                 now = time.monotonic()
                 if not self._held:
                     self._held_since = now
@@ -80,10 +80,15 @@ class HeldBundles:
             for buf, meta in bundles:
                 self.send_bundle(buf, meta)
 
+    @property
+    def _holding(self) -> bool:
+        """A step's end keeps what it sends for later: no live subscriber, and a linger at all."""
+        return not self.live and self.max_delay > 0
+
     def hold_control(self, frame: bytes) -> bool:
         """Keep a control message with the held bundles, to leave in order with them; False when nothing is
         being held (a live subscriber, or no linger): the caller sends it now."""
-        if self.live or self.max_delay <= 0:
+        if not self._holding:
             return False
         with self._order:
             if not self._held:
