@@ -173,11 +173,33 @@ class VllmProbe:
         self.endpoint = self.publisher.endpoint
         self._copy = CopyPath(self.publisher, run=run.encode(), capacity=capacity_bytes,
                               cuda_device=None if runner.device.type == "cpu" else runner.device)
+        self._tap()
+        self.publisher.set_info(self.info)  # built when an info goes out (a new subscriber), never per step
+        self._registered = _discovery.register(_discovery.SessionInfo.from_dict(self.info()))
+
+    def _tap(self) -> None:
         model = self.arch.model
         self._handles = [tap(model, self._step_start, pre=True), tap(model, self._step_end, pre=False)]
         self._handles += [self.arch.hook(site, self._capture) for site in self.sites]
-        self.publisher.set_info(self.info)  # built when an info goes out (a new subscriber), never per step
-        self._registered = _discovery.register(_discovery.SessionInfo.from_dict(self.info()))
+
+    @property
+    def paused(self) -> bool:
+        return self.publishing and not self._handles
+
+    def pause(self, *, flush: bool = True) -> None:
+        """Take every tap off the model until `resume()`: its steps run unprobed (collective_rpc runs between
+        steps). `flush`: send what was held for a later burst now, since no step may come soon."""
+        if self._handles:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            self._idents = []
+            if flush:
+                self._copy.flush_device(block=True)
+
+    def resume(self) -> None:
+        if self.publisher is not None and not self._handles:
+            self._tap()
 
     # --- the model's thread ---------------------------------------------------------------------
     def _step_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -222,7 +244,8 @@ class VllmProbe:
         pub, cp = self.publisher, self._copy
         return {"captured": cp.captured, "published": pub.published, "dropped": cp.dropped + pub.dropped,
                 "bytes": pub.bytes, "stall_seconds": pub.stall_seconds, "subscribers": len(pub.subscribers),
-                "degraded": pub.degraded, "publishing": True, "recomputed": self._flat.recomputed, "queued": cp.queued}
+                "degraded": pub.degraded, "publishing": True, "paused": self.paused,
+                "recomputed": self._flat.recomputed, "queued": cp.queued}
 
     def wait_for_subscribers(self, n: int, timeout: float | None) -> int:
         pub = self.publisher
@@ -232,9 +255,7 @@ class VllmProbe:
         return len(pub.subscribers)
 
     def close(self, timeout: float) -> dict:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.pause(flush=False)
         if self.publisher is not None:
             self._copy.flush_device(block=True)
         out = self.stats()

@@ -79,6 +79,16 @@ class WorkerExtension:
         self._probebus = None
         return probe.close(timeout) if probe is not None else {}
 
+    def probebus_pause(self) -> None:
+        probe = getattr(self, "_probebus", None)
+        if probe is not None:
+            probe.pause()
+
+    def probebus_resume(self) -> None:
+        probe = getattr(self, "_probebus", None)
+        if probe is not None:
+            probe.resume()
+
     def probebus_stats(self) -> dict:
         probe = getattr(self, "_probebus", None)
         return probe.stats() if probe is not None else {}
@@ -137,6 +147,7 @@ class VllmSession:
         self.endpoints = [r["endpoint"] for r in results if r.get("publishing")]
         self.sites = sorted({s for r in results for s in r["sites"]}, key=_site_order)
         self._closed = False
+        self._paused = False
         self._final: ProbeStats | None = None
 
     @property
@@ -154,6 +165,29 @@ class VllmSession:
     def info(self) -> dict:
         """The session info of the first publishing worker (with the request map)."""
         return next((i for i in self._rpc("probebus_info") if i.get("endpoint")), {})
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        """Take every hook off the engine's model until `resume()`, without a detach: its steps run
+        unprobed and publish nothing, subscribers stay connected, and what was held goes out now.
+
+            session.pause()
+            llm.generate(...)     # not captured, at the engine's own speed
+            session.resume()
+        """
+        if self._closed:
+            raise RuntimeError("this probe session is closed")
+        self._rpc("probebus_pause")
+        self._paused = True
+
+    def resume(self) -> None:
+        """Put back the hooks `pause()` took off."""
+        if self._paused and not self._closed:
+            self._rpc("probebus_resume")
+            self._paused = False
 
     def wait_for_subscribers(self, n: int = 1, timeout: float | None = 10.0) -> int:
         got = self._rpc("probebus_wait_for_subscribers", n, timeout)

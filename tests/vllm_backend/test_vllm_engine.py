@@ -149,6 +149,28 @@ def test_detach_removes_every_hook_and_reattach_works(llm) -> None:
     assert llm.collective_rpc("probebus_hook_count") == [0]
 
 
+def test_pause_takes_every_hook_off_and_resume_puts_them_back(llm) -> None:
+    params = vllm.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with probe.vllm.attach(llm, "layers.*.resid_post") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1, timeout=30)
+        llm.generate(["def f(x):"], params, use_tqdm=False)
+        n_before = session.stats.captured
+        session.pause()
+        assert session.paused and llm.collective_rpc("probebus_hook_count") == [0]
+        assert session.stats.queued == 0, "what was held went out at the pause"
+        llm.generate(["import os\n"], params, use_tqdm=False)
+        assert session.stats.captured == n_before, "nothing is captured while paused"
+        session.resume()
+        assert not session.paused and llm.collective_rpc("probebus_hook_count")[0] > 0
+        llm.generate(["class A:"], params, use_tqdm=False)
+    caps = list(sub.iter(idle_timeout=30))
+    assert sub.ended and session.stats.captured == len(caps) == 2 * n_before
+    assert n_before == 8 * 4, "8 layers x (a prefill capture + 3 decode steps)"
+    assert len({int(c.seq_ids[0]) for c in caps}) == 2, "the paused request published nothing"
+    sub.close()
+
+
 def test_existing_subscribers_work_unchanged(llm, tmp_path) -> None:
     import exporters
 
