@@ -51,9 +51,10 @@ class HeldCaptures:
         self._arena_short = False  # a capture found it full this step: it grows at the step's end
         self._held: list[tuple[SiteKey, torch.Tensor, StepIdentity, int, int]] = []  # key, tensor, ident, at, bytes
 
-    def capture_deferred(self, items: list[tuple[SiteKey, torch.Tensor, int]],
+    def capture_deferred(self, items: list[tuple[SiteKey, torch.Tensor, int | None]],
                          ident: StepIdentity) -> list[tuple[SiteKey, Exception | None]]:
-        """A step's deferred captures (site, tensor, its version at the hook), in hook order, at the step's end.
+        """A step's deferred captures (site, tensor, its version at the hook or None when it has no version
+        counter), in hook order, at the step's end.
 
         Returns what failed: (site, exception), or (site, None) for a tensor written since its hook (dropped).
         Runs of the common capture (every row real, a host tensor of the step's rows, under 64 KiB, the same
@@ -67,7 +68,7 @@ class HeldCaptures:
         for key, t, version in items:
             before = self.captured
             try:
-                if t._version != version:
+                if version is not None and t._version != version:  # None: vLLM's (see `VllmProbe.defer`)
                     self.captured += 1
                     self.dropped += 1
                     failed.append((key, None))
@@ -79,11 +80,13 @@ class HeldCaptures:
                         run = []
                     last, fast = (shape, dt), None
                     info = known_dtype(dt)
-                    if len(shape) == 3 and ident.valid is None and info is not None:
-                        index, tokens, n = ident.rows(shape[1])
-                        nbytes = n * shape[2] * info[1]
+                    # [batch, seq, hidden], or vLLM's flat [tokens, hidden] of a step of one token per row
+                    flat = len(shape) == 2 and ident.seq_len == 1 and shape[0] == ident.batch
+                    if (len(shape) == 3 or flat) and ident.valid is None and info is not None:
+                        index, tokens, n = ident.rows(1 if flat else shape[1])
+                        nbytes = n * shape[-1] * info[1]
                         if index is None and n and nbytes < ZERO_COPY_MIN and nbytes == t.nbytes:
-                            fast = (info[0], shape[2], n, tokens, nbytes)
+                            fast = (info[0], shape[-1], n, tokens, nbytes)
                             at_address = chars(nbytes).from_address
                 if fast is not None and t.is_cpu and t.is_contiguous():
                     run.append((key, at_address(t.data_ptr())))  # the tensor's own bytes: copied once, into the bundle

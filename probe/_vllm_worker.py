@@ -11,13 +11,16 @@ kernel on GPUs; the native op that 0.32's CPU build picks returns new tensors):
 that second output is transformers' residual stream, so `resid_pre` and `resid_mid`
 are read from the output of the norm that starts the layer / the MLP half, and
 `resid_post` of layer i from the norm that starts layer i + 1 (the final norm after the
-last layer), copied at once: an in-place kernel's next fused add overwrites it. No add of our own
+last layer), copied at once where an in-place kernel's next fused add would overwrite it
+(decode steps on the CPU build wait for the step's end once a check on the running
+engine has shown nothing writes into them: `_vllm_defer.py`). No add of our own
 on the model's thread (a torch op per site per step costs 5-10 us of dispatch there);
 only a layer whose successor runs on another pipeline stage sums its pair itself.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -37,8 +40,11 @@ from ._identity import StepIdentity
 from ._placement import parent_cpus
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
 from ._sites import SiteKey
+from ._vllm_defer import Check, Deferral
 from ._vllm_identity import FlatBatchIdentity
 from ._wire import REQUESTS_TOPIC, VERSION, encode_control
+
+log = logging.getLogger("probebus")
 
 
 class VllmArch:
@@ -159,6 +165,9 @@ class VllmProbe:
         self._handles: list = []
         self._idents: list[StepIdentity] = []
         self._flat = FlatBatchIdentity()  # request, position, token and phase of each row, step by step
+        self._defer = Deferral(enabled=runner.device.type == "cpu")  # decode steps captured at their end
+        self._deferred: list | None = None  # this step's captures, while deferring
+        self._check: Check | None = None  # this step's, while checking that deferring is safe
         self.publisher: Publisher | None = None
         self.endpoint = ""
         if not self.publishing:
@@ -193,7 +202,9 @@ class VllmProbe:
             for h in self._handles:
                 h.remove()
             self._handles = []
-            self._idents = []
+            if self._deferred:
+                self._end_deferred()
+            self._idents, self._deferred, self._check = [], None, None
             if flush:
                 self._copy.flush_device(block=True)
 
@@ -203,19 +214,43 @@ class VllmProbe:
 
     # --- the model's thread ---------------------------------------------------------------------
     def _step_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._deferred:  # the last forward raised before its end: its captures still go out
+            self._end_deferred()
         self._idents = self._flat.step(self.runner, args, kwargs)
+        self._deferred, self._check = self._defer.begin(self._idents)
 
     def _capture(self, key: SiteKey, t: torch.Tensor) -> None:
+        deferred = self._deferred
+        if deferred is not None:  # a decode step: copied at its end, with warm caches (`_vllm_defer.py`)
+            deferred.append((key, t, None))
+            return
         try:
             for ident in self._idents:
                 self._copy.capture(key, t, ident)
+            if self._check is not None:
+                self._check.note(key, t)
         except Exception:  # never crash the engine being observed (the copy path counted it dropped)
             pass
 
+    def _end_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred and self._idents:
+            self._copy.capture_deferred(deferred, self._idents[0])  # counts what failed as dropped
+
     def _step_end(self, module: nn.Module, args: tuple, output: object) -> None:
-        self._idents = []
         pub = self.publisher
         assert pub is not None
+        try:
+            if self._deferred:
+                self._end_deferred()
+            check, self._check = self._check, None
+            changed = [] if check is None else self._defer.end(check, self._idents[0].batch)
+            if changed:
+                log.warning("probebus: vLLM wrote into a captured tensor after its hook (%s); this session now "
+                            "copies each capture in its hook", ", ".join(changed[:3]))
+        except Exception:  # never crash the engine being observed
+            pass
+        self._idents, self._deferred = [], None
         try:
             new = self._flat.new_requests()
             if new:  # only the new entries (the info, which has them all, goes to new subscribers)
@@ -245,7 +280,7 @@ class VllmProbe:
         return {"captured": cp.captured, "published": pub.published, "dropped": cp.dropped + pub.dropped,
                 "bytes": pub.bytes, "stall_seconds": pub.stall_seconds, "subscribers": len(pub.subscribers),
                 "degraded": pub.degraded, "publishing": True, "paused": self.paused,
-                "recomputed": self._flat.recomputed, "queued": cp.queued}
+                "deferred_steps": self._defer.steps, "recomputed": self._flat.recomputed, "queued": cp.queued}
 
     def wait_for_subscribers(self, n: int, timeout: float | None) -> int:
         pub = self.publisher

@@ -99,3 +99,47 @@ def test_a_forward_that_raises_keeps_the_captures_it_made() -> None:
     caps = list(sub)
     assert stats.captured == stats.published == 2 and stats.dropped == 0
     assert sorted(c.layer for c in caps) == [0, 1]
+
+
+def _ident(batch: int, seq_len: int = 1):  # noqa: ANN202
+    import numpy as np
+
+    from probe._identity import DECODE, PREFILL, StepIdentity
+
+    pos = np.arange(seq_len)[None, :].repeat(batch, 0)
+    return StepIdentity(1, DECODE if seq_len == 1 else PREFILL, batch, seq_len, None, np.arange(batch), pos,
+                        np.zeros((batch, seq_len), dtype=np.int64), torch.device("cpu"))
+
+
+def test_vllm_steps_defer_only_after_a_check_on_the_engine_and_an_in_place_write_turns_deferral_off() -> None:
+    """vLLM runs under inference_mode (no version counters): whether its kernels write into a captured tensor
+    after the hook is checked on the running engine (`probe/_vllm_defer.py`), per batch size."""
+    from probe._sites import SiteKey
+    from probe._vllm_defer import EVERY, Deferral
+
+    key = SiteKey.of("layers.0.resid_post")
+    defer = Deferral(enabled=True)
+    assert defer.begin([_ident(4, seq_len=3)]) == (None, None), "a prefill copies in its hooks"
+    assert defer.begin([_ident(2), _ident(2)]) == (None, None), "so does a step of prefill and decode rows"
+    deferred, check = defer.begin([_ident(4)])
+    assert deferred is None and check is not None, "a batch size's first decode step is checked, not deferred"
+    check.note(key, torch.randn(4, 64))
+    assert defer.end(check, 4) == [] and defer.checks == 1
+    for _ in range(EVERY):
+        assert defer.begin([_ident(4)]) == ([], None)
+    assert defer.steps == EVERY
+    assert defer.begin([_ident(8)])[1] is not None, "another batch size is checked first"
+    _, again = defer.begin([_ident(4)])
+    assert again is not None, f"checked again after {EVERY} deferred steps"
+    # What vLLM's fused add-and-norm does on a GPU: the residual the hook saw is added into in place.
+    resid = torch.randn(4, 64)
+    again.note(key, resid)
+    resid.add_(torch.ones(4, 64))
+    assert defer.end(again, 4) == ["layers.0.resid_post"]
+    assert not defer.enabled and defer.begin([_ident(4)]) == (None, None), "never deferred again"
+    # A tensor whose bytes are not one block cannot be checked: no deferral either.
+    other = Deferral(enabled=True)
+    _, check = other.begin([_ident(4)])
+    check.note(key, torch.randn(64, 4).t())
+    assert other.end(check, 4) and not other.enabled
+    assert Deferral(enabled=False).begin([_ident(4)]) == (None, None), "a GPU worker never defers"

@@ -51,6 +51,7 @@ def _record(llm, prompts, max_tokens: int, sites=SITES):
         session.wait_for_subscribers(1, timeout=30)
         outs = llm.generate(prompts, params, use_tqdm=False)
         worker = session.info
+        deferred = llm.collective_rpc("probebus_stats")[0]["deferred_steps"]
     caps = [c for c in sub.iter(idle_timeout=30)]
     assert sub.ended and sub.stats.missed == 0 and sub.stats.malformed == 0
     stats = session.stats
@@ -61,7 +62,7 @@ def _record(llm, prompts, max_tokens: int, sites=SITES):
     assert {int(s) for c in caps for s in c.seq_ids.tolist()} <= set(sub.info.requests)
     assert sorted(e["seq_id"] for e in sub.take_requests()) == sorted(sub.info.requests)
     sub.close()
-    return outs, caps, {"requests": received}
+    return outs, caps, {"requests": received, "deferred_steps": deferred}
 
 
 def _seq_of(info: dict, request_id: str) -> dict:
@@ -122,6 +123,7 @@ def test_mixed_batch_matches_transformers_per_token(llm, hf) -> None:
     outs, caps, info = _record(llm, prompts, max_tokens=10)
     assert len(info["requests"]) == len(texts)
     assert {c.phase for c in caps} == {"prefill", "decode"}
+    assert info["deferred_steps"] > 0, "decode steps captured at their end are covered"
     assert _check_against_transformers(hf, outs, caps, info) > 1000
 
 

@@ -1,0 +1,165 @@
+"""What a probe costs one vLLM decode step, measured step against neighbouring step.
+
+    .venv-vllm/bin/python benchmarks/vllm_paired_steps.py            # batch 1 and 8, 12 generates per mode
+    .venv-vllm/bin/python benchmarks/vllm_paired_steps.py --quick
+
+`vllm_overhead.py` compares whole `generate` calls seconds apart; on this shared VM their
+per-round spread (20-40 points) hides a 3 % effect. Here, as `paired_steps.py` does for
+transformers, the probe is switched off and on between the decode steps of one `generate`
+(`pause()`: every hook off the model, so an "off" step runs as plain vLLM) and each "on"
+step is compared with the mean of its two "off" neighbours. The engine runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the worker's step can be timed and the switch
+made between steps: a step is the worker's `execute_model` and `sample_tokens` (the forward,
+with the probe's step identity, hooks and step end inside it, and the sampling). The switch
+happens between the timestamps, so it is not counted. `a/a` switches nothing: the method's
+own bias. `probebus-hooks` copies every capture inside its hook (no decode step deferred to
+its end, `probe/_vllm_defer.py`): what the deferral gains, in the same run. vLLM's worker
+computes on core 0 (VLLM_CPU_OMP_THREADS_BIND=0); the draining subscriber, ZeroMQ's I/O
+thread and the rest of this process run on the other cores.
+What this leaves out: the engine's own work between steps (scheduling, detokenizing), which
+a probe does not touch, so the share of a whole call is somewhat smaller than the share of
+a step printed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _stats import bootstrap_median  # noqa: E402
+from paired_steps import costs  # noqa: E402
+from vllm_overhead import DRAIN, build, prompts  # noqa: E402
+
+MODES = ["a/a", "probebus", "probebus-hooks"]
+
+
+class StepClock:
+    """Times each step of the in-process worker (`execute_model` to `sample_tokens`, or to `execute_model`'s end
+    when it samples itself) and switches the probe for the next decode step between the timestamps."""
+
+    def __init__(self, worker, batch: int) -> None:  # noqa: ANN001
+        self.worker, self.batch = worker, batch
+        self.switch = None
+        self.state = True
+        self.steps: list[tuple[bool, float, float]] = []
+        self._t: tuple[float, float] | None = None
+        self._decode = False
+        self._orig = (worker.execute_model, worker.sample_tokens)
+        worker.execute_model, worker.sample_tokens = self._execute, self._sample
+
+    def start(self, switch, first_on: bool) -> None:  # noqa: ANN001
+        self.switch, self.state, self.steps = switch, first_on, []
+        switch(first_on)
+
+    def _execute(self, scheduler_output, *args, **kwargs):  # noqa: ANN001, ANN202
+        self._decode = scheduler_output.total_num_scheduled_tokens == self.batch  # every request decoding
+        self._t = (time.perf_counter(), time.thread_time())
+        out = self._orig[0](scheduler_output, *args, **kwargs)
+        if out is not None:
+            self._ended()
+        return out
+
+    def _sample(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = self._orig[1](*args, **kwargs)
+        self._ended()
+        return out
+
+    def _ended(self) -> None:
+        if self._t is None:
+            return
+        wall, cpu = time.perf_counter() - self._t[0], time.thread_time() - self._t[1]
+        self._t = None
+        if self._decode and self.switch is not None:
+            self.steps.append((self.state, wall, cpu))
+            self.state = not self.state
+            self.switch(self.state)
+
+
+def main() -> None:
+    import torch
+    import vllm
+
+    import probe.vllm
+
+    folder = tempfile.mkdtemp(prefix="probebus-vllm-paired-")
+    build(folder)
+    endpoint = f"ipc://{folder}/bus"
+    drain = subprocess.Popen([sys.executable, "-c", DRAIN, endpoint, "1"])
+    try:
+        llm = vllm.LLM(model=folder, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
+                       gpu_memory_utilization=0.15, enable_prefix_caching=False, **probe.vllm.ENGINE_KWARGS)
+        worker = llm.llm_engine.model_executor.driver_worker.worker
+        params = vllm.SamplingParams(max_tokens=ARGS.new_tokens, temperature=0, ignore_eos=True)
+        print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, vllm {vllm.__version__}; random Llama "
+              f"(hidden 512, 8 layers), prompt {ARGS.prompt}, {ARGS.new_tokens} new tokens, greedy, sites "
+              f"layers.*.resid_post, a draining subscriber on core 1; {ARGS.generates} generates per mode, the "
+              "probe off and on every decode step")
+        for batch in ARGS.batches:
+            clock = StepClock(worker, batch)
+            reqs = [{"prompt_token_ids": p} for p in prompts(batch)]
+            llm.generate(reqs, params, use_tqdm=False)  # warm-up
+            steps: dict[str, list[list]] = {m: [] for m in ARGS.modes}
+            for g in range(ARGS.generates):
+                for mode in ARGS.modes[g % len(ARGS.modes):] + ARGS.modes[: g % len(ARGS.modes)]:
+                    session = probe.vllm.attach(llm, "layers.*.resid_post", endpoint=endpoint)
+                    session.wait_for_subscribers(1, timeout=30)
+                    vp = worker._probebus
+                    if mode == "probebus-hooks":
+                        vp._defer.enabled = False  # every capture copied in its hook, as before deferral
+
+                    def switch(on: bool, vp=vp, mode=mode) -> None:  # noqa: ANN001
+                        if mode != "a/a":
+                            vp.resume() if on else vp.pause(flush=False)  # held steps wait, as they would
+                    clock.start(switch, g % 2 == 0)
+                    llm.generate(reqs, params, use_tqdm=False)
+                    clock.switch = None
+                    stats = session.close()
+                    assert stats.dropped == 0 and stats.captured == stats.published
+                    steps[mode].append(clock.steps)
+                    time.sleep(0.2)  # the drain reconnects for the next session
+            worker.execute_model, worker.sample_tokens = clock._orig
+            print(f"\nbatch {batch}: cost of a probed decode step over its unprobed neighbours, median "
+                  "(90 % bootstrap interval), share of an unprobed step")
+            for mode, runs in steps.items():
+                out = []
+                for field, name in ((2, "CPU"), (1, "wall")):
+                    diffs, offs = [], []
+                    for s in runs:
+                        d, o = costs(s, field)
+                        diffs += d
+                        offs += o
+                    base = statistics.median(offs)
+                    lo, hi = bootstrap_median(diffs)
+                    out.append(f"{name} {1e3 * statistics.median(diffs):+7.3f} ms "
+                               f"{100 * statistics.median(diffs) / base:+5.2f} % "
+                               f"[{100 * lo / base:+.2f}..{100 * hi / base:+.2f}] of {1e3 * base:6.2f} ms")
+                print(f"  {mode:9s} {len(diffs):4d} steps   " + "   ".join(out))
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        drain.kill()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run")
+    ap.add_argument("--generates", type=int, default=12, help="generate calls per mode and batch (default: 12)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ARGS = ap.parse_args()
+    if ARGS.quick:
+        ARGS.generates, ARGS.new_tokens = 2, 12
+    import vllm_overhead
+
+    vllm_overhead.ARGS = ARGS  # its prompts() reads the prompt length from there
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    main()
