@@ -16,9 +16,9 @@ own bias. `probebus-hooks` copies every capture inside its hook (no decode step 
 its end, `probe/_vllm_defer.py`): what the deferral gains, in the same run. vLLM's worker
 computes on core 0 (VLLM_CPU_OMP_THREADS_BIND=0); the draining subscriber, ZeroMQ's I/O
 thread and the rest of this process run on the other cores.
-What this leaves out: the engine's own work between steps (scheduling, detokenizing), which
-a probe does not touch, so the share of a whole call is somewhat smaller than the share of
-a step printed here.
+The engine's own work between steps (scheduling, output processing) is untouched by a
+probe, so the cost is also printed as a share of the engine's cycle (one decode step's
+start to the next, in the a/a runs): what vLLM's throughput loses.
 """
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ class StepClock:
         self.switch = None
         self.state = True
         self.steps: list[tuple[bool, float, float]] = []
+        self.starts: list[float] = []  # each decode step's start: the engine's cycle, step to step
         self._t: tuple[float, float] | None = None
         self._decode = False
         self._orig = (worker.execute_model, worker.sample_tokens)
         worker.execute_model, worker.sample_tokens = self._execute, self._sample
 
     def start(self, switch, first_on: bool) -> None:  # noqa: ANN001
-        self.switch, self.state, self.steps = switch, first_on, []
+        self.switch, self.state, self.steps, self.starts = switch, first_on, [], []
         switch(first_on)
 
     def _execute(self, scheduler_output, *args, **kwargs):  # noqa: ANN001, ANN202
@@ -78,6 +79,7 @@ class StepClock:
         self._t = None
         if self._decode and self.switch is not None:
             self.steps.append((self.state, wall, cpu))
+            self.starts.append(time.perf_counter() - wall)
             self.state = not self.state
             self.switch(self.state)
 
@@ -106,6 +108,7 @@ def main() -> None:
             reqs = [{"prompt_token_ids": p} for p in prompts(batch)]
             llm.generate(reqs, params, use_tqdm=False)  # warm-up
             steps: dict[str, list[list]] = {m: [] for m in ARGS.modes}
+            cycles: list[float] = []  # start to start of consecutive decode steps, unprobed (a/a)
             for g in range(ARGS.generates):
                 for mode in ARGS.modes[g % len(ARGS.modes):] + ARGS.modes[: g % len(ARGS.modes)]:
                     session = probe.vllm.attach(llm, "layers.*.resid_post", endpoint=endpoint)
@@ -123,6 +126,8 @@ def main() -> None:
                     stats = session.close()
                     assert stats.dropped == 0 and stats.captured == stats.published
                     steps[mode].append(clock.steps)
+                    if mode == "a/a":
+                        cycles += [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)]
                     time.sleep(0.2)  # the drain reconnects for the next session
             worker.execute_model, worker.sample_tokens = clock._orig
             print(f"\nbatch {batch}: cost of a probed decode step over its unprobed neighbours, median "
@@ -140,7 +145,10 @@ def main() -> None:
                     out.append(f"{name} {1e3 * statistics.median(diffs):+7.3f} ms "
                                f"{100 * statistics.median(diffs) / base:+5.2f} % "
                                f"[{100 * lo / base:+.2f}..{100 * hi / base:+.2f}] of {1e3 * base:6.2f} ms")
-                print(f"  {mode:9s} {len(diffs):4d} steps   " + "   ".join(out))
+                cycle = statistics.median(cycles) if cycles else float("nan")
+                out.append(f"= {100 * statistics.median(diffs) / cycle:+5.2f} % of the engine's cycle")
+                print(f"  {mode:14s} {len(diffs):4d} steps   " + "   ".join(out))
+            print(f"  the engine's cycle (one decode step's start to the next, unprobed): {1e3 * cycle:.2f} ms")
         llm.llm_engine.engine_core.shutdown()
     finally:
         drain.kill()
