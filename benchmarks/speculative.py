@@ -79,6 +79,7 @@ NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "MTP attn": 
          "DSpark": "dspark", "draft model": "draft-model", "layer skip": "layer-skip", "EAGLE-3 tree": "default"}
 ALL = ["plain", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3", "EAGLE-3 tree", "Medusa", "Medusa tree",
        "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several"]
+AB = ["n-gram, unpacked head", "auto, unpacked head"]  # A/B of the packed LM head: named, never in 'all'
 DEFAULT = ["plain", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
 BASELINES = ("plain", "HF prompt lookup", "HF assisted")  # no probe attached, the target's own generate
 BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only
@@ -88,6 +89,12 @@ def make(name: str, model, drafter, cost: CostModel, k: int, remote_addr: str | 
     if name in NAMED:
         d = drafter if name == "EAGLE-3 tree" else load_named_drafter(NAMED[name], model)
         return SpeculativeDecoder(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
+    if name.endswith(", unpacked head"):  # A/B of the packed LM head (decoder/_packed_head.py): F.linear as before
+        own = CostModel.for_target(model, refresh=True, packed_head=False)
+        d = NgramDrafter() if name.startswith("n-gram") else "auto"
+        return SpeculativeDecoder(model, d, eagle=None if name.startswith("n-gram") else drafter, k=k,
+                                  schedule="fixed" if name.startswith("n-gram") else "auto", cost=own,
+                                  packed_head=False)
     if name == "n-gram":
         return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule="fixed", cost=cost)
     if name == "EAGLE-3":
@@ -323,9 +330,9 @@ if __name__ == "__main__":
                     "again at the start (a curve measured on a busy machine misleads the scheduler)")
     a = ap.parse_args()
     a.methods = ALL if a.methods == ["all"] else a.methods
-    unknown = [m for m in a.methods if m not in ALL]
+    unknown = [m for m in a.methods if m not in ALL + AB]
     if unknown:
-        ap.error(f"unknown methods {unknown}; choose from {ALL} or 'all'")
+        ap.error(f"unknown methods {unknown}; choose from {ALL + AB} or 'all'")
     if a.quick:
         a.prompts, a.new_tokens, a.repeats, a.batches = 4, 24, 1, [1, 4]
     sys.exit(main(a))

@@ -15,6 +15,7 @@ the measured one), so a machine that drifts is followed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -27,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import DynamicCache
+
+from ._packed_head import PackedHead
 
 
 def cache_dir() -> Path:
@@ -145,8 +148,11 @@ class CostModel:
         self.adapt = adapt
 
     @classmethod
-    def for_target(cls, target: nn.Module, *, refresh: bool = False, path: Path | None = None) -> CostModel:
-        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}".encode()).hexdigest()[:20]
+    def for_target(cls, target: nn.Module, *, refresh: bool = False, path: Path | None = None,
+                   packed_head: bool = True) -> CostModel:
+        """`packed_head`: the loop's multi-token forwards use `PackedHead` (its default), so their curve does."""
+        head = packed_head and PackedHead.of(target) is not None
+        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={head}".encode()).hexdigest()[:20]
         path = path or cache_dir() / f"decoder-cost-{key}.json"
         data = None
         if not refresh and path.is_file():
@@ -156,6 +162,7 @@ class CostModel:
                 data = None  # a corrupt cache is measured again
         model = cls(key, data, path)
         model._target = target
+        model._packed_head = head
         return model
 
     # --- queries ---------------------------------------------------------------------
@@ -205,9 +212,10 @@ class CostModel:
         if self.has(batch, k_max) and (capturing is None or "verify_capturing" in self.data[str(batch)]):
             return
         if not self.has(batch, k_max):
-            self.data[str(batch)] = self.measure(self._target, batch, k_max, drafter, context)
+            self.data[str(batch)] = self.measure(self._target, batch, k_max, drafter, context,
+                                                 packed_head=self._packed_head)
         if capturing is not None:
-            on = self.measure(self._target, batch, k_max, None, capturing)["verify"]
+            on = self.measure(self._target, batch, k_max, None, capturing, packed_head=self._packed_head)["verify"]
             plain = self.data[str(batch)]["verify"]
             self.data[str(batch)]["verify_capturing"] = [max(a, b) for a, b in zip(on, plain, strict=False)]
         self.initial[str(batch)] = json.loads(json.dumps(self.data[str(batch)]))
@@ -216,12 +224,13 @@ class CostModel:
     @staticmethod
     @torch.no_grad()
     def measure(target: nn.Module, batch: int, k_max: int, drafter: nn.Module | None = None, context=None,  # noqa: ANN001
-                ctx_len: int = 32, reps: int = 6) -> dict:
+                ctx_len: int = 32, reps: int = 6, packed_head: bool = False) -> dict:
         """Seconds of a forward over L = 1..k_max+1 new tokens after ctx_len cached ones, and of a drafter step.
 
         The fastest of `reps` interleaved runs (the first run of a shape pays one-time costs; on a
         shared machine the slow runs measure the neighbours, not the model). `context()` (if given)
-        wraps each forward, e.g. a probe context that publishes nothing.
+        wraps each forward, e.g. a probe context that publishes nothing. `packed_head`: forwards of more than
+        one token use the packed LM head, as the loop's do (`_packed_head.py`).
         """
         p = next(target.parameters())
         vocab = target.config.vocab_size
@@ -229,7 +238,9 @@ class CostModel:
         ids = torch.randint(3, vocab, (batch, ctx_len + k_max + 1), generator=gen).to(p.device)
         cache = DynamicCache()
         times: list[list[float]] = [[] for _ in range(k_max + 1)]
-        with context() if context is not None else torch.no_grad():
+        head = PackedHead.of(target) if packed_head else None
+        with (context() if context is not None else torch.no_grad(),
+              head.active() if head is not None else contextlib.nullcontext()):
             target(ids[:, :ctx_len], cache=cache, use_cache=True)
             for _ in range(reps):
                 for length in range(1, k_max + 2):  # interleaved: drift hits every length alike

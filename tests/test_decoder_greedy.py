@@ -177,3 +177,39 @@ def test_probes_publish_during_the_decoders_own_calls_only() -> None:
         again = spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD)
         assert spec.session.stats.captured > during
     assert torch.equal(first.sequences, want) and torch.equal(again.sequences, want)
+
+
+def test_the_packed_lm_head_serves_multi_token_forwards_only_and_steps_aside_for_hooks() -> None:
+    """`decoder/_packed_head.py`: the verify forward's LM head, its weight packed once for oneDNN."""
+    from decoder._packed_head import PackedHead
+
+    torch.manual_seed(0)
+    model = build("llama")
+    head = PackedHead.of(model)
+    if head is None:
+        pytest.skip("this torch build has no oneDNN linear ops")
+    ids = torch.randint(3, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        plain = model(ids).logits
+        one = model(ids[:, :1]).logits
+        with head.active():
+            assert "forward" in model.lm_head.__dict__
+            packed = model(ids).logits
+            packed_one = model(ids[:, :1]).logits
+    assert "forward" not in model.lm_head.__dict__, "put back"
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed_one, one), "one token per row: F.linear, bit for bit what generate computes"
+    # A changed weight is packed again.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+        with head.active():
+            doubled = model(ids).logits
+    torch.testing.assert_close(doubled, model(ids).logits.detach(), rtol=1e-5, atol=1e-5)
+    # Someone else's hook on the head (a probe on `logits`): the head is left as it is.
+    seen = []
+    h = model.lm_head.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    with torch.no_grad(), head.active():
+        assert "forward" not in model.lm_head.__dict__
+        model(ids)
+    h.remove()
+    assert seen == [(2, 7, model.config.vocab_size)]
