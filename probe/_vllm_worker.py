@@ -168,6 +168,7 @@ class VllmProbe:
         self._defer = Deferral(enabled=runner.device.type == "cpu")  # decode steps captured at their end
         self._deferred: list | None = None  # this step's captures, while deferring
         self._check: Check | None = None  # this step's, while checking that deferring is safe
+        self._closed = False
         self.publisher: Publisher | None = None
         self.endpoint = ""
         if not self.publishing:
@@ -209,7 +210,7 @@ class VllmProbe:
                 self._copy.flush_device(block=True)
 
     def resume(self) -> None:
-        if self.publisher is not None and not self._handles:
+        if self.publisher is not None and not self._handles and not self._closed:
             self._tap()
 
     # --- the model's thread ---------------------------------------------------------------------
@@ -290,6 +291,7 @@ class VllmProbe:
         return len(pub.subscribers)
 
     def close(self, timeout: float) -> dict:
+        self._closed = True
         self.pause(flush=False)
         if self.publisher is not None:
             self._copy.flush_device(block=True)
