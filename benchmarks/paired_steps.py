@@ -83,6 +83,29 @@ def costs(steps: list[tuple[bool, float, float]], field: int) -> tuple[list[floa
     return diffs, [steps[j][field] for j in offs]
 
 
+def report(batch: int, steps: dict[str, list[list]], cycle: float | None = None) -> None:
+    """Per mode: the median cost of a probed step over its unprobed neighbours (CPU, wall) with its 90 %
+    bootstrap interval, as a share of an unprobed step; and of `cycle` seconds (a step's start to the next's)."""
+    print(f"\nbatch {batch}: cost of a probed decode step over its unprobed neighbours, median "
+          "(90 % bootstrap interval), share of an unprobed step")
+    for m, runs in steps.items():
+        out = []
+        for field, name in ((2, "CPU"), (1, "wall")):
+            diffs, offs = [], []
+            for s in runs:
+                d, o = costs(s, field)
+                diffs += d
+                offs += o
+            base = statistics.median(offs)
+            lo, hi = bootstrap_median(diffs)
+            out.append(f"{name} {1e3 * statistics.median(diffs):+7.3f} ms "
+                       f"{100 * statistics.median(diffs) / base:+5.2f} % "
+                       f"[{100 * lo / base:+.2f}..{100 * hi / base:+.2f}] of {1e3 * base:6.2f} ms")
+        if cycle is not None:  # the wall cost against the whole cycle
+            out.append(f"= {100 * statistics.median(diffs) / cycle:+5.2f} % of the engine's cycle")
+        print(f"  {m:14s} {len(diffs):4d} steps   " + "   ".join(out))
+
+
 def run(model, ids: torch.Tensor, mode: str, endpoints: dict[str, str], first_on: bool,  # noqa: ANN001
         naive: NaiveHooks | None) -> list[tuple[bool, float, float]]:
     kw = dict(max_new_tokens=ARGS.new_tokens, min_new_tokens=ARGS.new_tokens, do_sample=False, eos_token_id=None,
@@ -152,22 +175,7 @@ def main() -> None:
             for g in range(ARGS.generates):
                 for m in ARGS.modes[g % len(ARGS.modes):] + ARGS.modes[: g % len(ARGS.modes)]:
                     steps[m].append(run(model, ids, m, endpoints, g % 2 == 0, naive))
-            print(f"\nbatch {batch}: cost of a probed decode step over its unprobed neighbours, median "
-                  "(90 % bootstrap interval), share of an unprobed step")
-            for m, runs in steps.items():
-                out = []
-                for field, name in ((2, "CPU"), (1, "wall")):
-                    diffs, offs = [], []
-                    for s in runs:
-                        d, o = costs(s, field)
-                        diffs += d
-                        offs += o
-                    base = statistics.median(offs)
-                    lo, hi = bootstrap_median(diffs)
-                    out.append(f"{name} {1e3 * statistics.median(diffs):+7.3f} ms "
-                               f"{100 * statistics.median(diffs) / base:+5.2f} % "
-                               f"[{100 * lo / base:+.2f}..{100 * hi / base:+.2f}] of {1e3 * base:6.2f} ms")
-                print(f"  {m:13s} {len(diffs):4d} steps   " + "   ".join(out))
+            report(batch, steps)
     finally:
         for c in children:
             c.kill()

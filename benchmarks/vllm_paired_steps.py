@@ -33,8 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _stats import bootstrap_median  # noqa: E402
-from paired_steps import costs  # noqa: E402
+from paired_steps import report  # noqa: E402
 from vllm_overhead import DRAIN, build, prompts  # noqa: E402
 
 MODES = ["a/a", "probebus", "probebus-hooks"]
@@ -130,24 +129,8 @@ def main() -> None:
                         cycles += [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)]
                     time.sleep(0.2)  # the drain reconnects for the next session
             worker.execute_model, worker.sample_tokens = clock._orig
-            print(f"\nbatch {batch}: cost of a probed decode step over its unprobed neighbours, median "
-                  "(90 % bootstrap interval), share of an unprobed step")
-            for mode, runs in steps.items():
-                out = []
-                for field, name in ((2, "CPU"), (1, "wall")):
-                    diffs, offs = [], []
-                    for s in runs:
-                        d, o = costs(s, field)
-                        diffs += d
-                        offs += o
-                    base = statistics.median(offs)
-                    lo, hi = bootstrap_median(diffs)
-                    out.append(f"{name} {1e3 * statistics.median(diffs):+7.3f} ms "
-                               f"{100 * statistics.median(diffs) / base:+5.2f} % "
-                               f"[{100 * lo / base:+.2f}..{100 * hi / base:+.2f}] of {1e3 * base:6.2f} ms")
-                cycle = statistics.median(cycles) if cycles else float("nan")
-                out.append(f"= {100 * statistics.median(diffs) / cycle:+5.2f} % of the engine's cycle")
-                print(f"  {mode:14s} {len(diffs):4d} steps   " + "   ".join(out))
+            cycle = statistics.median(cycles) if cycles else float("nan")
+            report(batch, steps, cycle)
             print(f"  the engine's cycle (one decode step's start to the next, unprobed): {1e3 * cycle:.2f} ms")
         llm.llm_engine.engine_core.shutdown()
     finally:
