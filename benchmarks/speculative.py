@@ -79,7 +79,8 @@ NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "MTP attn": 
          "DSpark": "dspark", "draft model": "draft-model", "layer skip": "layer-skip", "EAGLE-3 tree": "default"}
 ALL = ["plain", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3", "EAGLE-3 tree", "Medusa", "Medusa tree",
        "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several"]
-AB = ["n-gram, unpacked head", "auto, unpacked head"]  # A/B of the packed LM head: named, never in 'all'
+# A/B runs, named, never in 'all': the packed LM head, and n-gram trees (decoder/_ngram_tree.py)
+AB = ["n-gram, unpacked head", "auto, unpacked head", "n-gram tree", "n-gram scheduled", "auto, chains"]
 DEFAULT = ["plain", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
 BASELINES = ("plain", "HF prompt lookup", "HF assisted")  # no probe attached, the target's own generate
 BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only
@@ -101,6 +102,10 @@ def make(name: str, model, drafter, cost: CostModel, k: int, remote_addr: str | 
         return spec
     if name == "n-gram":
         return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule="fixed", cost=cost)
+    if name in ("n-gram tree", "n-gram scheduled"):  # n-gram alone, scheduled, with and without its trees
+        return SpeculativeDecoder(model, NgramDrafter(), k=k, cost=cost, ngram_tree=12 if name == "n-gram tree" else 0)
+    if name == "auto, chains":
+        return SpeculativeDecoder(model, "auto", eagle=drafter, k=k, cost=cost, ngram_tree=0)
     if name == "EAGLE-3":
         return SpeculativeDecoder(model, drafter, k=k, schedule="fixed", cost=cost)
     if name == "EAGLE-3 remote":

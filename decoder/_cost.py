@@ -211,6 +211,8 @@ class CostModel:
         model and machine."""
         if self.has(batch, k_max) and (capturing is None or "verify_capturing" in self.data[str(batch)]):
             return
+        if str(batch) in self.data and getattr(self, "_target", None) is None:
+            return  # a curve given by hand (tests, a fixed clock) is used as given: shorter only bounds trees
         if not self.has(batch, k_max):
             self.data[str(batch)] = self.measure(self._target, batch, k_max, drafter, context,
                                                  packed_head=self._packed_head)

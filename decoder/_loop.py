@@ -29,6 +29,7 @@ from ._feeder import Drafts, Feeder
 from ._handover import hand_over, losing, plain_call
 from ._medusa import MedusaFeeder
 from ._ngram import NgramDrafter
+from ._ngram_tree import ngram_tree_round, widen
 from ._packed_head import PackedHead
 from ._probing import ProbeSwitch
 from ._sched import DraftPlan, RowFix, Scheduler
@@ -67,7 +68,7 @@ class SpeculativeDecoder(ProbeSwitch):
     def __init__(self, target: nn.Module, drafter: Eagle3Drafter | Feeder | NgramDrafter | str | None = None, *,
                  k: int = 5, ngram: NgramDrafter | None = None, eagle: Eagle3Drafter | Feeder | None = None,
                  endpoint: str | None = None, schedule: str = "auto", cost: CostModel | None = None,
-                 tree: int = 0, tree_top_k: int = 4, packed_head: bool = True) -> None:
+                 tree: int = 0, tree_top_k: int = 4, packed_head: bool = True, ngram_tree: int = 12) -> None:
         if schedule not in ("auto", "fixed"):
             raise ValueError(f"schedule must be 'auto' or 'fixed', got {schedule!r}")
         if k < 1:
@@ -104,6 +105,9 @@ class SpeculativeDecoder(ProbeSwitch):
         self._d2t = None
         if self.slots:
             self._use(None, 0)
+        if ngram_tree < 0:
+            raise ValueError(f"ngram_tree (most nodes of an n-gram tree) must be >= 0, got {ngram_tree}")
+        self.ngram_tree = ngram_tree if self.ngram is not None and schedule == "auto" else 0
         if tree < 0 or tree_top_k < 1:
             raise ValueError(f"tree (most nodes) must be >= 0 and tree_top_k >= 1, got {tree}, {tree_top_k}")
         if tree and (len(self.slots) != 1 or not supports_tree(self.feeder)):
@@ -177,6 +181,7 @@ class SpeculativeDecoder(ProbeSwitch):
             run.streamer.end()
         if auto:  # what drafting achieved: a handed-over call counts its speculative part
             tokens, seconds = spec_part or (run.stats.emitted, run.stats.seconds)
+            seconds -= run.setup_s
             self.cost.paths.observe(key, "spec", tokens / max(seconds, 1e-9), tokens)
         return SpecOutput(run.sequences(pad_token_id), run.stats)
 
@@ -188,7 +193,7 @@ class SpeculativeDecoder(ProbeSwitch):
         t_decode = time.perf_counter()
         while run.any_active():
             if auto and losing(self, run, t_decode):  # the rest as plain steps, on this call's cache
-                spec_part = (run.stats.emitted, time.perf_counter() - t0)
+                spec_part = (run.stats.emitted, time.perf_counter() - t0 - run.setup_s)
                 hand_over(self, run)
                 return spec_part
             if self.tree and run.b == 1:
@@ -196,6 +201,10 @@ class SpeculativeDecoder(ProbeSwitch):
                 continue
             tr = time.perf_counter()
             drafts = self._draft(run)  # schedule + draft: method and length per row
+            widened = widen(self, run, drafts) if self.ngram_tree else None
+            if widened is not None:  # batch 1, greedy: the n-gram proposal and its alternatives in one tree
+                ngram_tree_round(self, run, drafts, widened, tr)
+                continue
             tv = time.perf_counter()
             logits = self._forward(run, drafts)  # verify
             n_acc, nxt = self._accept(run, drafts, logits)
@@ -236,9 +245,11 @@ class SpeculativeDecoder(ProbeSwitch):
             off = on = None
             if self.session is not None:  # both probe states: capturing forwards cost more (the drafter skips
                 off, on = self._probes(False), self._probes(True)  # their captures: nobody told it to read them)
-            k_max = max(self.k, self.tree) if self.tree and run.b == 1 else self.k
+            k_max = max(self.k, self.tree, self.ngram_tree) if run.b == 1 else self.k
             eagle3 = next((sl.drafter for sl in self.slots if isinstance(sl.drafter, Eagle3Drafter)), None)
+            t_cost = time.perf_counter()
             self.cost.ensure(run.b, k_max, eagle3, off, on)
+            run.setup_s = time.perf_counter() - t_cost  # once per model and machine: not what drafting costs a call
         for slot in self.slots:
             slot.feeder.prepare(run.b, run.cap)
             if hasattr(slot.feeder, "bind_run"):  # a drafter that reads the target's own cache (layer skip)

@@ -64,6 +64,26 @@ class Calibrator:
         self._table = None
 
 
+ALTERNATIVES = 3  # n-gram trees: continuations of other occurrences offered next to the proposal
+
+
+class AltCalibrator:
+    """P(an alternative's first own node is accepted | its parent was reached), per rank (1 = the first
+    alternative), from a prior, slowly forgotten."""
+
+    def __init__(self, prior: float = 0.2, weight: float = 2.0, decay: float = 0.997) -> None:
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.acc = [0.0] * (ALTERNATIVES + 1)
+        self.n = [0.0] * (ALTERNATIVES + 1)
+
+    def __call__(self, rank: int) -> float:
+        return (self.acc[rank] + self.prior * self.weight) / (self.n[rank] + self.weight)
+
+    def update(self, rank: int, accepted: bool) -> None:
+        self.acc[rank] = self.acc[rank] * self.decay + accepted
+        self.n[rank] = self.n[rank] * self.decay + 1.0
+
+
 class NgramCalibrator:
     """Conditional acceptance of an n-gram draft by (suffix-match length, prompt-output overlap, position)."""
 
@@ -195,6 +215,7 @@ class Scheduler:
         self.k, self.fixed = k, fixed
         self.eagle_calib = {"greedy": Calibrator(), "sample": Calibrator()}
         self.ngram_calib = NgramCalibrator()
+        self.alt_calib = AltCalibrator()  # n-gram trees' alternatives (`_ngram_tree.py`)
         self.reset()
 
     def reset(self) -> None:

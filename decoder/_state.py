@@ -110,6 +110,7 @@ class Run:
 
     def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, max_new_tokens: int, k: int,
                  eos: list[int], device: torch.device) -> None:
+        self.setup_s = 0.0  # seconds the call spent measuring the cost curve (the first call per machine)
         b, p_len = input_ids.shape
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         self.b, self.device, self.max_new, self.eos = b, device, max_new_tokens, set(eos)

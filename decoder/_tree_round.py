@@ -19,7 +19,7 @@ import torch
 
 from ._feeder import EagleFeeder
 from ._state import Run
-from ._tree import eagle_tree, keep_path, medusa_tree, tree_attention, verify_tree_greedy
+from ._tree import Tree, eagle_tree, keep_path, medusa_tree, tree_attention, verify_tree_greedy
 from ._tree_sample import eagle_tree_sampled, medusa_tree_sampled, verify_drawn_tree
 from ._verify import target_probs
 
@@ -46,32 +46,9 @@ def tree_round(dec, run: Run) -> list[list[int]]:  # noqa: ANN001 - a Speculativ
         tree = (eagle_tree if eagle else medusa_tree)(f, dec.k, dec.tree_top_k).within(depth)
         tree = tree.top(tree.budget(curve))
     t1 = time.perf_counter()
-    n, last, cols = len(tree), run.last[0], run.cols
-    run.reserve(n + 1)
     dec._capture(True)
-    dev = run.device
-    ids = torch.tensor([[int(run.toks[0, last])] + tree.tokens], device=dev)
-    pos = torch.tensor([[last] + [last + d for d in tree.depths]], device=dev)
-    mask = tree_attention(run.mask[:, :cols], tree, next(dec.target.parameters()).dtype)
-    with dec._context("verify", run, (last + torch.arange(n + 1))[None].to(dev)), dec.packed_head():
-        logits = dec.target(ids, attention_mask=mask, position_ids=pos, cache=run.cache, use_cache=True).logits[0]
-    if run.mode == "greedy":
-        path, nxt = verify_tree_greedy(tree, logits)
-    else:
-        p = target_probs(logits, run.temperature, run.top_k, run.top_p)
-        path, nxt = verify_drawn_tree(tree, p, run.gen)
-    keep_path(run.cache, cols, path)
-    run.mask[:, cols: cols + len(path) + 1] = 1
-    kept = run.commit([len(path)], [nxt], torch.tensor([[tree.tokens[i] for i in path]], dtype=torch.long))
-    step = dec.session.step if dec.session is not None else 0
-    start, end = run.advance()
-    real = torch.full((n + 1,), -1, dtype=torch.long)
-    real[0] = last
-    for j, i in enumerate(path):
-        real[i + 1] = last + 1 + j
-    run.add_feed((step, start, end, (last, real)))
-    if run.streamer is not None and kept[0]:
-        run.streamer.put(torch.tensor(kept[0]))
+    kept, path = verify_tree(dec, run, tree)
+    n = len(tree)
     now = time.perf_counter()
     st = run.stats
     st.rounds += 1
@@ -92,3 +69,38 @@ def tree_round(dec, run: Run) -> list[list[int]]:  # noqa: ANN001 - a Speculativ
     st.history.append((n + 1, 1, n, len(path), n))
     dec.cost.observe_verify(1, n + 1, now - t1, capturing=True)
     return kept
+
+
+def verify_tree(dec, run: Run, tree: Tree) -> tuple[list[list[int]], list[int]]:  # noqa: ANN001
+    """One target forward over [last, tree nodes] (batch 1), then keep the accepted branch: its K/V, its tokens
+    (streamer and n-gram index too) and, for a drafter that reads features, the feed of its real positions.
+    Returns (tokens kept, accepted node indices)."""
+    n, last, cols = len(tree), run.last[0], run.cols
+    run.reserve(n + 1)
+    dev = run.device
+    ids = torch.tensor([[int(run.toks[0, last])] + tree.tokens], device=dev)
+    pos = torch.tensor([[last] + [last + d for d in tree.depths]], device=dev)
+    mask = tree_attention(run.mask[:, :cols], tree, next(dec.target.parameters()).dtype)
+    with dec._context("verify", run, (last + torch.arange(n + 1))[None].to(dev)), dec.packed_head():
+        logits = dec.target(ids, attention_mask=mask, position_ids=pos, cache=run.cache, use_cache=True).logits[0]
+    if run.mode == "greedy":
+        path, nxt = verify_tree_greedy(tree, logits)
+    else:
+        p = target_probs(logits, run.temperature, run.top_k, run.top_p)
+        path, nxt = verify_drawn_tree(tree, p, run.gen)
+    keep_path(run.cache, cols, path)
+    run.mask[:, cols: cols + len(path) + 1] = 1
+    kept = run.commit([len(path)], [nxt], torch.tensor([[tree.tokens[i] for i in path]], dtype=torch.long))
+    step = dec.session.step if dec.session is not None else 0
+    span = run.advance(dec.feeder is not None and dec._capturing)
+    if span is not None:  # the probes labelled node j with position last + j: map the kept ones back
+        real = torch.full((n + 1,), -1, dtype=torch.long)
+        real[0] = last
+        for j, i in enumerate(path):
+            real[i + 1] = last + 1 + j
+        run.add_feed((step, *span, (last, real)))
+    if run.ngram is not None and kept[0]:
+        run.ngram[0].extend(kept[0])
+    if run.streamer is not None and kept[0]:
+        run.streamer.put(torch.tensor(kept[0]))
+    return kept, path
