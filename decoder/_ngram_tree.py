@@ -1,22 +1,25 @@
-"""N-gram trees: at batch 1, greedy, the n-gram proposal and what followed its suffix's other occurrences,
-verified together in one target forward.
+"""N-gram trees: at batch 1, greedy, the round's chain and the candidates that cost nothing to have, verified
+together in one target forward.
 
-    tree = widen(spec, run, drafts)              # None: nothing but the proposal pays; verify the chain
-    if tree is not None:
-        ngram_tree_round(spec, run, drafts, tree, t_round)
+    widened = widen(spec, run, drafts)           # None: nothing but the chosen chain pays; verify it as a chain
+    if widened is not None:
+        ngram_tree_round(spec, run, drafts, widened, t_round)
 
 Why: on the CPU a target forward costs nearly the same for 3 to ~13 tokens (default model, 2-core VM:
-a 6-token chain 1.12x a one-token step, trees of 9 and 13 nodes 1.26x), and where the latest
-occurrence's continuation is wrong, an earlier occurrence's often is right. Replayed offline on the
-default model's greedy outputs of the three held-out prompt sets (k = 5), up to three alternatives
-raised tokens per round from 1.93 / 2.08 / 2.04 (stdlib / third-party / prose) to 2.08 / 2.37 / 2.44.
+a 6-token chain 1.12x a one-token step, trees of 9 and 13 nodes 1.26x), and candidates that cost no
+forward of their own are at hand: what followed the n-gram suffix's earlier occurrences (the index keeps
+the last few), and, in a round where EAGLE-3 was consulted, whichever of its drafts and the n-gram
+proposal the scheduler did not choose. Replayed offline on the default model's greedy outputs of the
+three held-out prompt sets (k = 5), up to three n-gram alternatives raised tokens per round from
+1.93 / 2.08 / 2.04 (stdlib / third-party / prose) to 2.08 / 2.37 / 2.44.
 
 Which nodes go in is `Tree.budget` on the measured cost curve (expected tokens over the forward's cost):
-the proposal's nodes carry the scheduler's calibrated n-gram acceptance; an alternative's first own node
-carries P(its parent is reached) x the acceptance learnt for its rank (`AltCalibrator`), its next ones
-the n-gram continuation calibration. The round verifies a tree only when an alternative made the cut;
-otherwise the chain the scheduler chose runs as before. Greedy only: sampling from several
-point-mass drafts would need its own rule (chains keep the existing one).
+each node carries P(its path is accepted): the chain's and the other method's nodes from their
+calibrated acceptance (n-gram table, EAGLE-3 confidence), an alternative's first own node from
+P(its parent is reached) x the acceptance learnt for its rank (`AltCalibrator`), its next ones from
+the n-gram table. The round verifies a tree only when something besides the chain made the cut;
+otherwise the chain runs as before. Greedy only: sampling from several drafts at a node needs its own
+rule (chains keep the existing one).
 """
 
 from __future__ import annotations
@@ -34,25 +37,44 @@ if TYPE_CHECKING:
     from ._state import Run
 
 def widen(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts) -> tuple[Tree, list[int]] | None:
-    """(tree, rank of each node: 0 = the proposal's) when the round's n-gram proposal plus alternatives is
-    worth more per second than the proposal alone, else None."""
-    if (run.b != 1 or run.mode != "greedy" or run.ngram is None or drafts.methods[0] != "ngram"
-            or not drafts.props or not drafts.props[0]):
+    """(tree, source of each node) when the round's chosen chain plus other candidates is worth more per second
+    than the chain alone, else None. Sources: 0 the chain the scheduler chose (n-gram or EAGLE-3), 1.. the n-gram
+    alternatives by rank, -1 the other method's proposal (EAGLE-3's drafts next to an n-gram chain, or the other
+    way round)."""
+    method = drafts.methods[0]
+    if run.b != 1 or run.mode != "greedy" or run.ngram is None or method not in ("ngram", "eagle"):
         return None
     depth = max(run.caps(spec.k)[0], 0)
-    alts = run.ngram[0].alternatives(depth, ALTERNATIVES)
-    if not alts or depth == 0:
+    props = drafts.props[0][:depth] if drafts.props else []
+    eagle = drafts.eagle.tokens[0, :depth].tolist() if drafts.eagle is not None else []
+    alts = run.ngram[0].alternatives(depth, ALTERNATIVES) if props and depth else []
+    chain, other = (props, eagle) if method == "ngram" else (eagle, props)
+    if not chain or not (alts or other):
         return None
     sched, fix = run.sched, run.fix["ngram"].scale()[0]
     overlap = drafts.overlap[0] if drafts.overlap else 0.0
-    calib = run.scheds[0].alt_calib
+    alt_calib = run.scheds[0].alt_calib
+    match = drafts.match[0] if drafts.match else 0
+    e_prob: list[float] = []
+    if eagle:  # EAGLE-3's calibrated conditional acceptance per draft
+        e_calib, e_fix = sched.eagle_calib[run.mode], run.fix["eagle"].scale()[0]
+        e_prob = [min(1.0, e_calib(c) * e_fix) for c in drafts.eagle.conf[0, : len(eagle)].tolist()]
 
-    def cont(match: int, i: int) -> float:
-        return min(1.0, sched.ngram_calib(match, overlap, i) * fix)
+    def chance(source: int, kind: str, i: int, own: bool, m: int) -> float:
+        if kind == "eagle":
+            return e_prob[i]
+        if own and source > 0:  # an alternative's first node of its own
+            return alt_calib(source)
+        return min(1.0, sched.ngram_calib(m, overlap, i) * fix)
 
-    tree, ranks = Tree(), []
+    n_kind = "ngram"
+    cands = [(chain, 0, method if method == "eagle" else n_kind, match)]
+    if other:
+        cands.append((other, -1, "ngram" if method == "eagle" else "eagle", match))
+    cands += [(seq, rank, n_kind, m) for rank, (seq, m) in enumerate(alts, 1)]
+    tree, sources = Tree(), []
     node: dict[tuple[int, ...], int] = {}
-    for rank, (seq, match) in enumerate([(drafts.props[0][:depth], drafts.match[0]), *alts]):
+    for seq, source, kind, m in cands:
         prob, parent = 1.0, -1
         for i, tok in enumerate(seq):
             key = tuple(seq[: i + 1])
@@ -60,19 +82,19 @@ def widen(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts) -> tuple[Tree
                 parent = node[key]
                 prob = tree.probs[parent]
                 continue
-            own = parent < 0 or ranks[parent] != rank  # this candidate's first node of its own
-            prob *= calib(rank) if own and rank else cont(match, i)
+            own = parent < 0 or sources[parent] != source  # this candidate's first node of its own
+            prob *= chance(source, kind, i, own, m)
             node[key] = len(tree)
             tree.tokens.append(tok)
             tree.parents.append(parent)
             tree.depths.append(i + 1)
             tree.probs.append(prob)
-            ranks.append(rank)
+            sources.append(source)
             parent = node[key]
     curve = spec.cost.curve(1, spec.ngram_tree, capturing=spec._capturing)
     top = tree.top(tree.budget(curve))
-    ranks = [ranks[node[tuple(_path_tokens(top, i))]] for i in range(len(top))]
-    return (top, ranks) if any(ranks) else None
+    sources = [sources[node[tuple(_path_tokens(top, i))]] for i in range(len(top))]
+    return (top, sources) if any(sources) else None
 
 
 def _path_tokens(tree: Tree, i: int) -> list[int]:
@@ -94,9 +116,9 @@ def ngram_tree_round(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts, wi
     now = time.perf_counter()
     n, acc = len(tree), len(path)
     on_path = set(path)
-    for i in range(n):  # each alternative's own first node whose parent was reached
+    for i in range(n):  # each n-gram alternative's own first node whose parent was reached
         p = tree.parents[i]
-        if ranks[i] and (p < 0 or ranks[p] != ranks[i]) and (p < 0 or p in on_path):
+        if ranks[i] > 0 and (p < 0 or ranks[p] != ranks[i]) and (p < 0 or p in on_path):
             run.scheds[0].alt_calib.update(ranks[i], i in on_path)
     st = run.stats
     st.rounds += 1
@@ -104,7 +126,8 @@ def ngram_tree_round(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts, wi
     st.target_forwards += 1
     st.row_rounds += 1
     st.drafted_row_rounds += 1
-    st.ngram_rounds += 1
+    st.ngram_rounds += drafts.methods[0] == "ngram"
+    st.eagle_rounds += drafts.methods[0] == "eagle"
     st.emitted += len(kept[0])
     st.drafted += n
     st.accepted += acc
@@ -115,7 +138,7 @@ def ngram_tree_round(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts, wi
     st.verify_s += now - tv
     eagle_n = drafts.eagle.tokens.shape[1] if drafts.eagle is not None else 0
     st.history.append((n + 1, 1, n, acc, eagle_n))
-    calibrate(run, drafts, 0, "ngram", drafts.k_rows[0], acc)
+    calibrate(run, drafts, 0, drafts.methods[0], drafts.k_rows[0], acc)
     run.observe_rate(len(kept[0]), now - tr)
     spec.cost.observe_verify(1, n + 1, now - tv, capturing=spec._capturing)
     return kept

@@ -9,7 +9,7 @@ import pytest
 import torch
 from models import PAD, build, left_padded
 
-from decoder import CostModel, NgramDrafter, SpeculativeDecoder
+from decoder import CostModel, Eagle3Config, Eagle3Drafter, NgramDrafter, SpeculativeDecoder
 from decoder._ngram import NgramIndex
 
 # suffixes that occurred before with several continuations: where an alternative can be right
@@ -77,3 +77,21 @@ def test_trees_follow_the_cost_curve_and_alternatives_get_accepted() -> None:
     finally:
         free.close()
         dear.close()
+
+
+def test_auto_trees_with_eagle_keep_greedy_output_exact() -> None:
+    """With EAGLE-3 consulted, its drafts and the n-gram proposal ride in the same tree as each other's branch."""
+    model = build("llama", layers=8)
+    eagle = Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model)
+    with SpeculativeDecoder(model, "auto", eagle=eagle, k=4, cost=_cost(0.0)) as spec:
+        trees = 0
+        for prompt in PROMPTS:
+            ids, mask = left_padded([prompt])
+            with torch.no_grad():
+                want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
+                                      eos_token_id=None, pad_token_id=PAD)
+            out = spec.generate(ids, mask, max_new_tokens=32, pad_token_id=PAD)
+            assert torch.equal(out.sequences, want)
+            trees += out.stats.tree_rounds
+            assert out.stats.eagle_rounds + out.stats.ngram_rounds <= out.stats.rounds
+        assert trees > 0
