@@ -202,7 +202,7 @@ class SpeculativeDecoder(ProbeSwitch):
             tr = time.perf_counter()
             drafts = self._draft(run)  # schedule + draft: method and length per row
             widened = widen(self, run, drafts) if self.ngram_tree else None
-            if widened is not None:  # batch 1, greedy: the n-gram proposal and its alternatives in one tree
+            if widened is not None:  # batch 1, greedy: the chosen chain and its free candidates in one tree
                 ngram_tree_round(self, run, drafts, widened, tr)
                 continue
             tv = time.perf_counter()
