@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING
 from ._accounting import calibrate
 from ._sched import ALTERNATIVES
 from ._tree import Tree
-from ._tree_round import verify_tree
+from ._tree_round import count_round, verify_tree
 
 if TYPE_CHECKING:
     from ._loop import RoundDrafts, SpeculativeDecoder
     from ._state import Run
+
 
 def widen(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts) -> tuple[Tree, list[int]] | None:
     """(tree, source of each node) when the round's chosen chain plus other candidates is worth more per second
@@ -67,11 +68,10 @@ def widen(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts) -> tuple[Tree
             return alt_calib(source)
         return min(1.0, sched.ngram_calib(m, overlap, i) * fix)
 
-    n_kind = "ngram"
-    cands = [(chain, 0, method if method == "eagle" else n_kind, match)]
+    cands = [(chain, 0, method, match)]
     if other:
         cands.append((other, -1, "ngram" if method == "eagle" else "eagle", match))
-    cands += [(seq, rank, n_kind, m) for rank, (seq, m) in enumerate(alts, 1)]
+    cands += [(seq, rank, "ngram", m) for rank, (seq, m) in enumerate(alts, 1)]
     tree, sources = Tree(), []
     node: dict[tuple[int, ...], int] = {}
     for seq, source, kind, m in cands:
@@ -108,37 +108,20 @@ def _path_tokens(tree: Tree, i: int) -> list[int]:
 def ngram_tree_round(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts, widened: tuple[Tree, list[int]],
                      tr: float) -> list[list[int]]:
     """Verify the widened proposal in one forward, commit the accepted branch, and account for the round."""
-    tree, ranks = widened
+    tree, sources = widened
     tv = time.perf_counter()
     if spec.session is not None:  # EAGLE-3 resting for a while: the probes come off meanwhile
         spec._capture(spec._awake(run))
     kept, path = verify_tree(spec, run, tree)
-    now = time.perf_counter()
-    n, acc = len(tree), len(path)
     on_path = set(path)
-    for i in range(n):  # each n-gram alternative's own first node whose parent was reached
-        p = tree.parents[i]
-        if ranks[i] > 0 and (p < 0 or ranks[p] != ranks[i]) and (p < 0 or p in on_path):
-            run.scheds[0].alt_calib.update(ranks[i], i in on_path)
-    st = run.stats
-    st.rounds += 1
-    st.tree_rounds += 1
-    st.target_forwards += 1
-    st.row_rounds += 1
-    st.drafted_row_rounds += 1
-    st.ngram_rounds += drafts.methods[0] == "ngram"
-    st.eagle_rounds += drafts.methods[0] == "eagle"
-    st.emitted += len(kept[0])
-    st.drafted += n
-    st.accepted += acc
-    for i in range(min(max(tree.depths), len(st.offered_at))):
-        st.offered_at[i] += 1
-        st.accepted_at[i] += int(acc > i)
-    st.draft_s += tv - tr
-    st.verify_s += now - tv
-    eagle_n = drafts.eagle.tokens.shape[1] if drafts.eagle is not None else 0
-    st.history.append((n + 1, 1, n, acc, eagle_n))
-    calibrate(run, drafts, 0, drafts.methods[0], drafts.k_rows[0], acc)
+    for i, p in enumerate(tree.parents):  # each n-gram alternative's own first node whose parent was reached
+        if sources[i] > 0 and (p < 0 or (sources[p] != sources[i] and p in on_path)):
+            run.scheds[0].alt_calib.update(sources[i], i in on_path)
+    now = time.perf_counter()
+    eagle_drafts = drafts.eagle.tokens.shape[1] if drafts.eagle is not None else 0
+    count_round(spec, run, tree, path, kept, (tr, tv, now), eagle_drafts, capturing=spec._capturing)
+    run.stats.ngram_rounds += drafts.methods[0] == "ngram"
+    run.stats.eagle_rounds += drafts.methods[0] == "eagle"
+    calibrate(run, drafts, 0, drafts.methods[0], drafts.k_rows[0], len(path))
     run.observe_rate(len(kept[0]), now - tr)
-    spec.cost.observe_verify(1, n + 1, now - tv, capturing=spec._capturing)
     return kept

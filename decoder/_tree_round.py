@@ -48,26 +48,7 @@ def tree_round(dec, run: Run) -> list[list[int]]:  # noqa: ANN001 - a Speculativ
     t1 = time.perf_counter()
     dec._capture(True)
     kept, path = verify_tree(dec, run, tree)
-    n = len(tree)
-    now = time.perf_counter()
-    st = run.stats
-    st.rounds += 1
-    st.tree_rounds += n > 0
-    st.plain_rounds += n == 0
-    st.target_forwards += 1
-    st.row_rounds += 1
-    st.emitted += len(kept[0])
-    st.drafted += n
-    st.drafted_row_rounds += n > 0
-    st.accepted += len(path)
-    depth = max(tree.depths, default=0)
-    for i in range(min(depth, len(st.offered_at))):
-        st.offered_at[i] += 1
-        st.accepted_at[i] += int(len(path) > i)
-    st.draft_s += t1 - t0
-    st.verify_s += now - t1
-    st.history.append((n + 1, 1, n, len(path), n))
-    dec.cost.observe_verify(1, n + 1, now - t1, capturing=True)
+    count_round(dec, run, tree, path, kept, (t0, t1, time.perf_counter()), len(tree), capturing=True)
     return kept
 
 
@@ -104,3 +85,28 @@ def verify_tree(dec, run: Run, tree: Tree) -> tuple[list[list[int]], list[int]]:
     if run.streamer is not None and kept[0]:
         run.streamer.put(torch.tensor(kept[0]))
     return kept, path
+
+
+def count_round(dec, run: Run, tree: Tree, path: list[int], kept: list[list[int]],  # noqa: ANN001
+                times: tuple[float, float, float], eagle_drafts: int, capturing: bool) -> None:
+    """A tree round's statistics and the cost model's observation of its forward; times = (round start,
+    verify start, end)."""
+    t0, t1, now = times
+    n = len(tree)
+    st = run.stats
+    st.rounds += 1
+    st.tree_rounds += n > 0
+    st.plain_rounds += n == 0
+    st.target_forwards += 1
+    st.row_rounds += 1
+    st.emitted += len(kept[0])
+    st.drafted += n
+    st.drafted_row_rounds += n > 0
+    st.accepted += len(path)
+    for i in range(min(max(tree.depths, default=0), len(st.offered_at))):
+        st.offered_at[i] += 1
+        st.accepted_at[i] += int(len(path) > i)
+    st.draft_s += t1 - t0
+    st.verify_s += now - t1
+    st.history.append((n + 1, 1, n, len(path), eagle_drafts))
+    dec.cost.observe_verify(1, n + 1, now - t1, capturing=capturing)
