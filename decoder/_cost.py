@@ -146,6 +146,8 @@ class CostModel:
         # observed / measured forward time, per (batch, probes capturing): hooks that publish cost extra
         self._scale: dict[tuple[int, bool], float] = {}
         self.adapt = adapt
+        self._target: nn.Module | None = None  # the model `ensure` measures (set by `for_target`)
+        self._packed_head = False
 
     @classmethod
     def for_target(cls, target: nn.Module, *, refresh: bool = False, path: Path | None = None,
@@ -211,7 +213,7 @@ class CostModel:
         model and machine."""
         if self.has(batch, k_max) and (capturing is None or "verify_capturing" in self.data[str(batch)]):
             return
-        if str(batch) in self.data and getattr(self, "_target", None) is None:
+        if str(batch) in self.data and self._target is None:
             return  # a curve given by hand (tests, a fixed clock) is used as given: shorter only bounds trees
         if not self.has(batch, k_max):
             self.data[str(batch)] = self.measure(self._target, batch, k_max, drafter, context,
