@@ -81,7 +81,7 @@ def calibrate(run: Run, drafts: RoundDrafts, r: int, method: str, kr: int, n: in
                 calib.update(conf[i], i < n)
     if drafts.props is not None and drafts.props[r]:
         prop, m, o = drafts.props[r], drafts.match[r], drafts.overlap[r]
-        fix, nc = run.fix["ngram"], sched.ngram_calib
+        fix, nc = run.fix["ngram"], sched.ngram_calib[run.mode]
         if greedy:
             for i in range(min(len(prop), len(truth))):
                 fix.update(r, nc(m, o, i), prop[i] == truth[i])

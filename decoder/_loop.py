@@ -121,7 +121,7 @@ class SpeculativeDecoder(ProbeSwitch):
         """Whose calls `cost.paths` compares: this batch, greedy or sampling, and this decoder's drafters."""
         drafters = "+".join(type(s.feeder).__name__ for s in self.slots)
         return (batch, "sample" if temperature > 0 else "greedy", f"{drafters}|ngram={self.ngram is not None}|"
-                f"k={self.k}|tree={self.tree}")
+                f"k={self.k}|tree={self.tree}|ngram_tree={self.ngram_tree}")
 
     @property
     def endpoint(self) -> str | None:
@@ -298,7 +298,8 @@ class SpeculativeDecoder(ProbeSwitch):
                     props[r], match[r] = run.ngram[r].propose(k)
                     overlap[r] = run.ngram[r].overlap
         caps = [k if a else -1 for a in active] if self.sched.fixed else run.caps(k)
-        base = run.sched.ngram_prefix(props, match, overlap, run.fix["ngram"].scale()) if run.ngram is not None \
+        fix = run.fix["ngram"].scale()
+        base = run.sched.ngram_prefix(props, match, overlap, fix, run.mode) if run.ngram is not None \
             else [[0.0]] * b  # (every slot's scheduler shares the n-gram calibration)
         ctx = Scheduler.context(base, caps)  # what n-gram offers: whether asking EAGLE-3 pays is learnt per band
         consult = self.feeder is not None and self._pick(run, ctx)

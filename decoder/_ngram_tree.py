@@ -1,5 +1,5 @@
-"""N-gram trees: at batch 1, greedy, the round's chain and the candidates that cost nothing to have, verified
-together in one target forward.
+"""N-gram trees: at batch 1, the round's chain and the candidates that cost nothing to have, verified together in
+one target forward.
 
     widened = widen(spec, run, drafts)           # None: nothing but the chosen chain pays; verify it as a chain
     if widened is not None:
@@ -18,8 +18,13 @@ each node carries P(its path is accepted): the chain's and the other method's no
 calibrated acceptance (n-gram table, EAGLE-3 confidence), an alternative's first own node from
 P(its parent is reached) x the acceptance learnt for its rank (`AltCalibrator`), its next ones from
 the n-gram table. The round verifies a tree only when something besides the chain made the cut;
-otherwise the chain runs as before. Greedy only: sampling from several drafts at a node needs its own
-rule (chains keep the existing one).
+otherwise the chain runs as before.
+
+At T > 0 the tree holds the n-gram chain and its alternatives only, all point masses chosen before the
+target's forward: each node draws its token from the target's p and follows it where it is a child
+(`verify_drawn_tree`), which takes child c with probability p(c), exactly sequential sampling. A chain
+accepts its one candidate with that same probability; the tree adds the other candidates' mass. EAGLE-3's
+sampled drafts are left out there: their own rule, min(1, p / q), accepts more than a point mass would.
 """
 
 from __future__ import annotations
@@ -42,19 +47,21 @@ def widen(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts) -> tuple[Tree
     than the chain alone, else None. Sources: 0 the chain the scheduler chose (n-gram or EAGLE-3), 1.. the n-gram
     alternatives by rank, -1 the other method's proposal (EAGLE-3's drafts next to an n-gram chain, or the other
     way round)."""
-    method = drafts.methods[0]
-    if run.b != 1 or run.mode != "greedy" or run.ngram is None or method not in ("ngram", "eagle"):
+    method, greedy = drafts.methods[0], run.mode == "greedy"
+    # At T > 0 a tree holds n-gram candidates only: point masses, verified by drawing from p (`verify_drawn_tree`).
+    # EAGLE-3's sampled drafts keep their own rule, min(1, p / q), which a point mass would throw away.
+    if run.b != 1 or run.ngram is None or method not in (("ngram", "eagle") if greedy else ("ngram",)):
         return None
     depth = max(run.caps(spec.k)[0], 0)
     props = drafts.props[0][:depth] if drafts.props else []
-    eagle = drafts.eagle.tokens[0, :depth].tolist() if drafts.eagle is not None else []
+    eagle = drafts.eagle.tokens[0, :depth].tolist() if drafts.eagle is not None and greedy else []
     alts = run.ngram[0].alternatives(depth, ALTERNATIVES) if props and depth else []
     chain, other = (props, eagle) if method == "ngram" else (eagle, props)
     if not chain or not (alts or other):
         return None
     sched, fix = run.sched, run.fix["ngram"].scale()[0]
     overlap = drafts.overlap[0] if drafts.overlap else 0.0
-    alt_calib = run.scheds[0].alt_calib
+    alt_calib, ngram_calib = run.scheds[0].alt_calib[run.mode], sched.ngram_calib[run.mode]
     match = drafts.match[0] if drafts.match else 0
     e_prob: list[float] = []
     if eagle:  # EAGLE-3's calibrated conditional acceptance per draft
@@ -66,7 +73,7 @@ def widen(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts) -> tuple[Tree
             return e_prob[i]
         if own and source > 0:  # an alternative's first node of its own
             return alt_calib(source)
-        return min(1.0, sched.ngram_calib(m, overlap, i) * fix)
+        return min(1.0, ngram_calib(m, overlap, i) * fix)
 
     cands = [(chain, 0, method, match)]
     if other:
@@ -116,12 +123,18 @@ def ngram_tree_round(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts, wi
     on_path = set(path)
     for i, p in enumerate(tree.parents):  # each n-gram alternative's own first node whose parent was reached
         if sources[i] > 0 and (p < 0 or (sources[p] != sources[i] and p in on_path)):
-            run.scheds[0].alt_calib.update(sources[i], i in on_path)
+            run.scheds[0].alt_calib[run.mode].update(sources[i], i in on_path)
     now = time.perf_counter()
     eagle_drafts = drafts.eagle.tokens.shape[1] if drafts.eagle is not None else 0
     count_round(spec, run, tree, path, kept, (tr, tv, now), eagle_drafts, capturing=spec._capturing)
     run.stats.ngram_rounds += drafts.methods[0] == "ngram"
     run.stats.eagle_rounds += drafts.methods[0] == "eagle"
-    calibrate(run, drafts, 0, drafts.methods[0], drafts.k_rows[0], len(path))
+    if run.mode == "greedy":  # the committed tokens are the target's own choices: every candidate is checked
+        calibrate(run, drafts, 0, drafts.methods[0], drafts.k_rows[0], len(path))
+    else:  # sampled: only the chain's own nodes that were offered and how far the draws followed them
+        n = 0
+        while n < len(path) and sources[path[n]] == 0:
+            n += 1
+        calibrate(run, drafts, 0, drafts.methods[0], sources.count(0), n)
     run.observe_rate(len(kept[0]), now - tr)
     return kept

@@ -214,8 +214,9 @@ class Scheduler:
     def __init__(self, k: int, *, fixed: bool = False) -> None:
         self.k, self.fixed = k, fixed
         self.eagle_calib = {"greedy": Calibrator(), "sample": Calibrator()}
-        self.ngram_calib = NgramCalibrator()
-        self.alt_calib = AltCalibrator()  # n-gram trees' alternatives (`_ngram_tree.py`)
+        # per mode, as EAGLE-3's: a greedy call's n-gram drafts are accepted far more often than a sampled one's
+        self.ngram_calib = {"greedy": NgramCalibrator(), "sample": NgramCalibrator()}
+        self.alt_calib = {"greedy": AltCalibrator(), "sample": AltCalibrator()}  # n-gram trees' alternatives
         self.reset()
 
     def reset(self) -> None:
@@ -254,12 +255,13 @@ class Scheduler:
         self.wait[ctx] = self.backoff[ctx] - 1
 
     def ngram_prefix(self, props: list[list[int]], match: list[int], overlap: list[float],
-                     scale: list[float]) -> list[list[float]]:
+                     scale: list[float], mode: str) -> list[list[float]]:
+        calib = self.ngram_calib[mode]
         out = []
         for prop, m, o, f in zip(props, match, overlap, scale, strict=True):
             pref, cum = [0.0], 1.0
             for i in range(len(prop)):
-                cum *= min(1.0, self.ngram_calib(m, o, i) * f)
+                cum *= min(1.0, calib(m, o, i) * f)
                 pref.append(pref[-1] + cum)
             out.append(pref)
         return out

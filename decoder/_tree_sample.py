@@ -111,7 +111,11 @@ def medusa_tree_sampled(feeder, depth: int, top_k: int, temperature: float, veri
 
 
 def verify_drawn_tree(tree: Tree, p: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
-    """p [n + 1, V] target distributions for [root, nodes] -> (accepted path, next token); exact in distribution."""
+    """p [n + 1, V] target distributions for [root, nodes] -> (accepted path, next token); exact in distribution.
+
+    A node without draws whose children are point masses (an n-gram tree's candidates, chosen without looking at
+    the target's draws) is verified by drawing x from its p and following x where it is a child: child c is taken
+    with probability p(c), and otherwise x is the next token, exactly as sampling token by token."""
     child = {(par + 1, tok): i for i, (tok, par) in enumerate(zip(tree.tokens, tree.parents, strict=True))}
     path: list[int] = []
     at = 0  # row of p: 0 = the root, i + 1 = node i
@@ -130,6 +134,8 @@ def verify_drawn_tree(tree: Tree, p: torch.Tensor, generator: torch.Generator | 
             if mass > 0:  # 0 only when r equals q up to rounding, where a rejection cannot happen
                 r = rest / mass
         else:
-            return path, int(torch.multinomial(r, 1, generator=generator))
+            x = int(torch.multinomial(r, 1, generator=generator))
+            if drawn or (at, x) not in child:
+                return path, x
         path.append(child[(at, x)])
         at = path[-1] + 1
