@@ -20,12 +20,6 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 11, 5, 6], [20, 21, 22, 20, 21, 23
            [30, 31, 32, 33, 30, 31, 34, 30, 31, 32, 35, 30], [40, 41, 40, 42, 40, 43, 40, 41, 40]]
 
 
-def _p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    exp = probs.double() * counts.sum()
-    chi2 = ((counts.double() - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2, dtype=torch.float64), chi2 / 2))
-
-
 def _cost(step: float) -> CostModel:
     """Verifying L tokens costs 1 + step * (L - 1) ms: the scheduler's and the tree budget's choices are
     deterministic (a shared CPU's timings are noise)."""
@@ -133,6 +127,8 @@ def _point_tree() -> Tree:
 def test_point_mass_tree_rule_keeps_every_depth_exact(rule: str) -> None:
     """The first token follows the root's p; the second, given the first is the candidate 2, follows that node's p;
     trying candidates one by one without a residual fails the same test."""
+    from test_decoder_drafters import _p_value
+
     v, n = 6, 30_000
 
     def dist(seed: int) -> torch.Tensor:
@@ -162,8 +158,7 @@ def test_sampled_ngram_trees_in_the_loop_follow_the_target_and_a_biased_rule_fai
     """Seeded batch-1 calls at T = 0.7 on an 8-token target whose prompt repeats with several continuations: n-gram
     trees are verified (the 4-D mask, positions and the branch kept in the cache take part), and the sampled
     (t2, t3) follow the target's exact joint distribution; candidates tried one by one without a residual fail."""
-    from test_decoder_drafters import _exact_pair, _tiny
-    from test_decoder_drafters import _p_value as p_joint
+    from test_decoder_drafters import _exact_pair, _p_value, _tiny
 
     import decoder._tree_round as tree_round
 
@@ -182,7 +177,7 @@ def test_sampled_ngram_trees_in_the_loop_follow_the_target_and_a_biased_rule_fai
 
     counts, trees = pairs(900)  # as many as the control needs to fail: the same power against the real rule
     assert trees >= 450  # tree rounds: at least one for every two calls
-    assert p_joint(counts, exact) > 1e-3
+    assert _p_value(counts, exact) > 1e-3
     monkeypatch.setattr(tree_round, "verify_drawn_tree", _biased_point)
     biased, _ = pairs(900)
-    assert p_joint(biased, exact) < 1e-6  # 7.8e-10 at 900 calls; 5.6e-6 at 700
+    assert _p_value(biased, exact) < 1e-6  # 7.8e-10 at 900 calls; 5.6e-6 at 700
