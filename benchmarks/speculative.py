@@ -79,8 +79,9 @@ NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "MTP attn": 
          "DSpark": "dspark", "draft model": "draft-model", "layer skip": "layer-skip", "EAGLE-3 tree": "default"}
 ALL = ["plain", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3", "EAGLE-3 tree", "Medusa", "Medusa tree",
        "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several"]
-# A/B runs, named, never in 'all': the packed LM head, and n-gram trees (decoder/_ngram_tree.py)
-AB = ["n-gram, unpacked head", "auto, unpacked head", "n-gram tree", "n-gram scheduled", "auto, chains"]
+# A/B runs, named, never in 'all': the packed weights (LM head only, none), and n-gram trees (decoder/_ngram_tree.py)
+AB = ["n-gram, packed=head", "auto, packed=head", "n-gram, packed=none", "auto, packed=none", "n-gram tree",
+       "n-gram scheduled", "auto, chains"]
 DEFAULT = ["plain", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
 BASELINES = ("plain", "HF prompt lookup", "HF assisted")  # no probe attached, the target's own generate
 BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only
@@ -90,12 +91,13 @@ def make(name: str, model, drafter, cost: CostModel, k: int, remote_addr: str | 
     if name in NAMED:
         d = drafter if name == "EAGLE-3 tree" else load_named_drafter(NAMED[name], model)
         return SpeculativeDecoder(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
-    if name.endswith(", unpacked head"):  # A/B of the packed LM head (decoder/_packed_head.py): F.linear as before
-        own = CostModel.for_target(model, refresh=True, packed_head=False)
+    if ", packed=" in name:  # A/B of the packed weights (decoder/_packed.py): the LM head only, or F.linear
+        packed = name.split("=")[1]
+        own = CostModel.for_target(model, refresh=True, packed=packed)
         d = NgramDrafter() if name.startswith("n-gram") else "auto"
         spec = SpeculativeDecoder(model, d, eagle=None if name.startswith("n-gram") else drafter, k=k,
                                   schedule="fixed" if name.startswith("n-gram") else "auto", cost=own,
-                                  packed_head=False)
+                                  packed=packed)
         # Its own curve, measured now (a seeded call leaves the path choice alone): the shared curve of the
         # other methods is measured by whichever calls first, and a first call that measures looks slow.
         spec.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, seed=0)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ._packed_head import PackedHead
+from ._packed import PackedLinears
 
 
 def cache_dir() -> Path:
@@ -147,14 +147,15 @@ class CostModel:
         self._scale: dict[tuple[int, bool], float] = {}
         self.adapt = adapt
         self._target: nn.Module | None = None  # the model `ensure` measures (set by `for_target`)
-        self._packed_head = False
+        self._packed = "none"  # which of the target's weights the loop's multi-token forwards use packed
 
     @classmethod
     def for_target(cls, target: nn.Module, *, refresh: bool = False, path: Path | None = None,
-                   packed_head: bool = True) -> CostModel:
-        """`packed_head`: the loop's multi-token forwards use `PackedHead` (its default), so their curve does."""
-        head = packed_head and PackedHead.of(target) is not None
-        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={head}".encode()).hexdigest()[:20]
+                   packed: str = "all") -> CostModel:
+        """`packed`: the loop's multi-token forwards use `PackedLinears` ("all" by default), so their curve does."""
+        have = PackedLinears.of(target, packed)
+        packed = have.kind if have is not None else "none"
+        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}".encode()).hexdigest()[:20]
         path = path or cache_dir() / f"decoder-cost-{key}.json"
         data = None
         if not refresh and path.is_file():
@@ -164,7 +165,7 @@ class CostModel:
                 data = None  # a corrupt cache is measured again
         model = cls(key, data, path)
         model._target = target
-        model._packed_head = head
+        model._packed = packed
         return model
 
     # --- queries ---------------------------------------------------------------------
@@ -217,9 +218,9 @@ class CostModel:
             return  # a curve given by hand (tests, a fixed clock) is used as given: shorter only bounds trees
         if not self.has(batch, k_max):
             self.data[str(batch)] = self.measure(self._target, batch, k_max, drafter, context,
-                                                 packed_head=self._packed_head)
+                                                 packed=self._packed)
         if capturing is not None:
-            on = self.measure(self._target, batch, k_max, None, capturing, packed_head=self._packed_head)["verify"]
+            on = self.measure(self._target, batch, k_max, None, capturing, packed=self._packed)["verify"]
             plain = self.data[str(batch)]["verify"]
             self.data[str(batch)]["verify_capturing"] = [max(a, b) for a, b in zip(on, plain, strict=False)]
         self.initial[str(batch)] = json.loads(json.dumps(self.data[str(batch)]))
@@ -228,13 +229,13 @@ class CostModel:
     @staticmethod
     @torch.no_grad()
     def measure(target: nn.Module, batch: int, k_max: int, drafter: nn.Module | None = None, context=None,  # noqa: ANN001
-                ctx_len: int = 32, reps: int = 6, packed_head: bool = False) -> dict:
+                ctx_len: int = 32, reps: int = 6, packed: str = "none") -> dict:
         """Seconds of a forward over L = 1..k_max+1 new tokens after ctx_len cached ones, and of a drafter step.
 
         The fastest of `reps` interleaved runs (the first run of a shape pays one-time costs; on a
         shared machine the slow runs measure the neighbours, not the model). `context()` (if given)
-        wraps each forward, e.g. a probe context that publishes nothing. `packed_head`: forwards of more than
-        one token use the packed LM head, as the loop's do (`_packed_head.py`).
+        wraps each forward, e.g. a probe context that publishes nothing. `packed`: forwards of more than
+        one token use these packed weights ("all", "head"), as the loop's do (`_packed.py`).
         """
         p = next(target.parameters())
         vocab = target.config.vocab_size
@@ -242,9 +243,9 @@ class CostModel:
         ids = torch.randint(3, vocab, (batch, ctx_len + k_max + 1), generator=gen).to(p.device)
         cache = DynamicCache()
         times: list[list[float]] = [[] for _ in range(k_max + 1)]
-        head = PackedHead.of(target) if packed_head else None
+        weights = PackedLinears.of(target, packed)
         with (context() if context is not None else torch.no_grad(),
-              head.active() if head is not None else contextlib.nullcontext()):
+              weights.active() if weights is not None else contextlib.nullcontext()):
             target(ids[:, :ctx_len], cache=cache, use_cache=True)
             for _ in range(reps):
                 for length in range(1, k_max + 2):  # interleaved: drift hits every length alike

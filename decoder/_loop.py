@@ -30,7 +30,7 @@ from ._handover import hand_over, losing, plain_call
 from ._medusa import MedusaFeeder
 from ._ngram import NgramDrafter
 from ._ngram_tree import ngram_tree_round, widen
-from ._packed_head import PackedHead
+from ._packed import PackedLinears
 from ._probing import ProbeSwitch
 from ._sched import DraftPlan, RowFix, Scheduler
 from ._slots import open_slots
@@ -68,13 +68,13 @@ class SpeculativeDecoder(ProbeSwitch):
     def __init__(self, target: nn.Module, drafter: Eagle3Drafter | Feeder | NgramDrafter | str | None = None, *,
                  k: int = 5, ngram: NgramDrafter | None = None, eagle: Eagle3Drafter | Feeder | None = None,
                  endpoint: str | None = None, schedule: str = "auto", cost: CostModel | None = None,
-                 tree: int = 0, tree_top_k: int = 4, packed_head: bool = True, ngram_tree: int = 12) -> None:
+                 tree: int = 0, tree_top_k: int = 4, packed: str = "all", ngram_tree: int = 12) -> None:
         if schedule not in ("auto", "fixed"):
             raise ValueError(f"schedule must be 'auto' or 'fixed', got {schedule!r}")
         if k < 1:
             raise ValueError(f"k (the longest draft) must be >= 1, got {k}")
         self.target, self.k = target, k
-        self._head = PackedHead.of(target) if packed_head else None  # verify forwards' LM head, packed once
+        self._packed = PackedLinears.of(target, packed)  # verify forwards' linear layers, packed once
         if drafter == "auto":
             if eagle is None:
                 from ._checkpoint import DrafterError, load_drafter
@@ -131,13 +131,13 @@ class SpeculativeDecoder(ProbeSwitch):
     @property
     def cost(self) -> CostModel:
         if self._cost is None:
-            self._cost = CostModel.for_target(self.target, packed_head=self._head is not None)
+            self._cost = CostModel.for_target(self.target, packed=self._packed.kind if self._packed else "none")
         return self._cost
 
-    def packed_head(self) -> contextlib.AbstractContextManager:
-        """Around a forward of several tokens per row: the target's LM head with its weight packed once
-        (`_packed_head.py`), where that applies."""
-        return self._head.active() if self._head is not None else contextlib.nullcontext()
+    def packed_weights(self) -> contextlib.AbstractContextManager:
+        """Around a forward of several tokens per row: the target's linear layers with their weights packed once
+        (`_packed.py`), where that applies."""
+        return self._packed.active() if self._packed is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         for slot in self.slots:  # first: the session then has no one to wait for at its end of stream
@@ -171,6 +171,8 @@ class SpeculativeDecoder(ProbeSwitch):
             return out
         run = self._start(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
                           streamer)
+        if self._packed is not None:
+            self._packed.refresh()  # weights changed since the last call are packed again
         try:
             self._prefill(run)
             spec_part = self._rounds(run, auto, t0)
@@ -366,7 +368,7 @@ class SpeculativeDecoder(ProbeSwitch):
         inp, positions, mask = run.inputs(drafts.tokens)
         if self.session is not None:  # EAGLE-3 resting for a while: take the probes off the model meanwhile
             self._capture(self._awake(run))
-        with self._context("verify", run, positions), self.packed_head():
+        with self._context("verify", run, positions), self.packed_weights():
             return self.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
                                use_cache=True).logits
 

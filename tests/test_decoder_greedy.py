@@ -179,37 +179,50 @@ def test_probes_publish_during_the_decoders_own_calls_only() -> None:
     assert torch.equal(first.sequences, want) and torch.equal(again.sequences, want)
 
 
-def test_the_packed_lm_head_serves_multi_token_forwards_only_and_steps_aside_for_hooks() -> None:
-    """`decoder/_packed_head.py`: the verify forward's LM head, its weight packed once for oneDNN."""
-    from decoder._packed_head import PackedHead
+def test_packed_weights_serve_multi_token_forwards_only_and_step_aside_for_hooks() -> None:
+    """`decoder/_packed.py`: the verify forward's linear layers, their weights packed once for oneDNN."""
+    from decoder._packed import PackedLinears
 
     torch.manual_seed(0)
     model = build("llama")
-    head = PackedHead.of(model)
-    if head is None:
+    packed_all = PackedLinears.of(model)
+    if packed_all is None:
         pytest.skip("this torch build has no oneDNN linear ops")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert packed_all.kind == "all" and len(packed_all.layers) == len(linears) > 1
+    head_only = PackedLinears.of(model, max_bytes=1024)  # past the memory cap: the LM head alone
+    assert head_only.kind == "head" and head_only.layers == [model.lm_head]
+    assert PackedLinears.of(model, "head").layers == [model.lm_head] and PackedLinears.of(model, "none") is None
+    with pytest.raises(ValueError, match="packed must be one of all, head, none"):
+        PackedLinears.of(model, "some")
+    down = model.model.layers[1].mlp.down_proj
     ids = torch.randint(3, model.config.vocab_size, (2, 7))
     with torch.no_grad():
         plain = model(ids).logits
         one = model(ids[:, :1]).logits
-        with head.active():
-            assert "forward" in model.lm_head.__dict__
-            packed = model(ids).logits
-            packed_one = model(ids[:, :1]).logits
-    assert "forward" not in model.lm_head.__dict__, "put back"
-    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
-    assert torch.equal(packed_one, one), "one token per row: F.linear, bit for bit what generate computes"
-    # A changed weight is packed again.
+        for packed in (packed_all, head_only):
+            with packed.active():
+                assert "forward" in model.lm_head.__dict__
+                assert ("forward" in down.__dict__) == (packed is packed_all)
+                out = model(ids).logits
+                out_one = model(ids[:, :1]).logits
+            assert not any("forward" in m.__dict__ for m in linears), "put back"
+            torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+            assert torch.equal(out_one, one), "one token per row: F.linear, bit for bit what generate computes"
+    # A changed weight is packed again (the loop refreshes at the start of each call), inside the model as well.
     with torch.no_grad():
         model.lm_head.weight.mul_(2)
-        with head.active():
-            doubled = model(ids).logits
-    torch.testing.assert_close(doubled, model(ids).logits.detach(), rtol=1e-5, atol=1e-5)
-    # Someone else's hook on the head (a probe on `logits`): the head is left as it is.
+        down.weight.mul_(0.5)
+        packed_all.refresh()
+        with packed_all.active():
+            changed = model(ids).logits
+    torch.testing.assert_close(changed, model(ids).logits.detach(), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(changed, plain, atol=1e-3)
+    # Someone else's hook on the head (a probe on `logits`): the head is left as it is, the rest is packed.
     seen = []
     h = model.lm_head.register_forward_hook(lambda m, a, o: seen.append(o.shape))
-    with torch.no_grad(), head.active():
-        assert "forward" not in model.lm_head.__dict__
+    with torch.no_grad(), packed_all.active():
+        assert "forward" not in model.lm_head.__dict__ and "forward" in down.__dict__
         model(ids)
     h.remove()
     assert seen == [(2, 7, model.config.vocab_size)]
