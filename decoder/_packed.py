@@ -8,17 +8,16 @@ Why: on the CPU, `F.linear` with more than one row packs the weight into the GEM
 layout on every call. For the default target's tied 8192 x 192 head that repacking is most
 of the cost: measured on the 2-core VM (1 thread, median of 200), one row 272 us, but 2 rows
 478 us, 6 rows 1100 us, 25 rows 2709 us; with the weight packed once, 170, 234 and 1070 us.
-Every other linear layer of a small target pays the same in proportion: a 6-token forward of
-the default target took 8.3 ms with the head packed against 7.6 ms with every layer packed
-(1 thread, median of 200 interleaved, one-token forward 6.2-6.9 ms; design notes, "Verify's
-linear layers").
+The target's other large layers pay the same in proportion (small ones do not: `MIN_ELEMENTS`): a
+6-token forward of the default target took 7.21 ms with the head packed against 6.50 ms with its
+MLP projections packed too (1 thread, median of 300 interleaved; design notes, "Verify's linear
+layers").
 
 Only forwards of more than one position per row go through the packed weights (a verify, a
 tree); a one-token step, as plain `generate` runs it, keeps `F.linear`, so the loop's plain
 rounds compute exactly what `generate` does. Acceptance only compares argmaxes or
-probabilities of each position, so the few-ulp differences between kernels at 2-5 rows (at
-6 and more rows the two agree bit for bit here) matter no more than those `F.linear`
-already has between 1 and 6 rows. A layer is left alone while anything else wraps or hooks
+probabilities of each position, so the few-ulp differences between the kernels matter no
+more than those `F.linear` already has between 1 and 6 rows. A layer is left alone while anything else wraps or hooks
 it (a probe on `logits`), and repacked when its weight changes. The packed copies cost the
 weights' size again in memory: past `max_bytes` (1 GiB) of linear weights, only the LM head
 is packed (`which="head"` asks for that; `SpeculativeDecoder(..., packed="head")`).
@@ -34,6 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 WHICH = ("all", "head", "none")
+# Below this many weights oneDNN's fixed cost per call (~15 us) outweighs the repacking it saves: 6 rows through
+# 192 x 192, F.linear 14 us against 22 packed, 640 x 192 40 against 36, 8192 x 192 968 against 353 (1 thread,
+# median of 1500). In the default target's forward of 6 tokens: 6.50 ms packing the gate/up/down projections and
+# the head, 6.88 ms packing every layer, 7.21 ms the head alone (median of 300 interleaved).
+MIN_ELEMENTS = 65536
 
 
 def _ops_available() -> bool:
@@ -60,7 +64,8 @@ class PackedLinears:
             return None
         get = getattr(target, "get_output_embeddings", None)
         head = get() if get is not None else None
-        layers = [m for m in target.modules() if _packable(m)] if which == "all" else []
+        layers = [m for m in target.modules() if _packable(m) and m.weight.numel() >= MIN_ELEMENTS] \
+            if which == "all" else []
         if sum(m.weight.numel() * 4 for m in layers) > max_bytes:
             layers = []  # a big model on the CPU: a second copy of every weight is not worth ~10 %
         if layers:

@@ -179,16 +179,21 @@ def test_probes_publish_during_the_decoders_own_calls_only() -> None:
     assert torch.equal(first.sequences, want) and torch.equal(again.sequences, want)
 
 
-def test_packed_weights_serve_multi_token_forwards_only_and_step_aside_for_hooks() -> None:
+def test_packed_weights_serve_multi_token_forwards_only_and_step_aside_for_hooks(monkeypatch) -> None:  # noqa: ANN001
     """`decoder/_packed.py`: the verify forward's linear layers, their weights packed once for oneDNN."""
+    import decoder._packed as packed_mod
     from decoder._packed import PackedLinears
 
     torch.manual_seed(0)
     model = build("llama")
-    packed_all = PackedLinears.of(model)
-    if packed_all is None:
+    default = PackedLinears.of(model)
+    if default is None:
         pytest.skip("this torch build has no oneDNN linear ops")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert max(m.weight.numel() for m in linears) < packed_mod.MIN_ELEMENTS  # a tiny model: oneDNN would not pay
+    assert default.kind == "head" and default.layers == [model.lm_head]
+    monkeypatch.setattr(packed_mod, "MIN_ELEMENTS", 0)  # as if every layer were big enough
+    packed_all = PackedLinears.of(model)
     assert packed_all.kind == "all" and len(packed_all.layers) == len(linears) > 1
     head_only = PackedLinears.of(model, max_bytes=1024)  # past the memory cap: the LM head alone
     assert head_only.kind == "head" and head_only.layers == [model.lm_head]
