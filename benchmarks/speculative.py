@@ -56,6 +56,7 @@ from decoder import (  # noqa: E402
     simulated_seconds,
 )
 from decoder._cost import PathChoice  # noqa: E402
+from decoder._loop import AUTO_K, FIXED_K  # noqa: E402
 from probebus._load import load_model  # noqa: E402
 
 
@@ -87,7 +88,7 @@ BASELINES = ("plain", "HF prompt lookup", "HF assisted")  # no probe attached, t
 BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only
 
 
-def make(name: str, model, drafter, cost: CostModel, k: int, remote_addr: str | None):  # noqa: ANN001, ANN201
+def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr: str | None):  # noqa: ANN001, ANN201
     if name in NAMED:
         d = drafter if name == "EAGLE-3 tree" else load_named_drafter(NAMED[name], model)
         return SpeculativeDecoder(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
@@ -152,7 +153,7 @@ class Runner:
             if self.temp > 0:
                 kw.update(temperature=self.temp, top_k=None, top_p=None)
             if self.name == "HF prompt lookup":
-                kw["prompt_lookup_num_tokens"] = self.args.k
+                kw["prompt_lookup_num_tokens"] = self.args.k or FIXED_K
             if self.name == "HF assisted":
                 kw["assistant_model"] = assistant(self.model)
             counter = ForwardCounter(self.model)
@@ -225,7 +226,7 @@ def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float
     if remote_addr:
         methods.insert(-1, "EAGLE-3 remote")
     b = min(batch, len(prompts))
-    cost.ensure(b, args.k, drafter)
+    cost.ensure(b, args.k or AUTO_K, drafter)
     runners = {m: Runner(m, model, tok, temp, args, drafter, cost, remote_addr) for m in methods}
     every = list(runners.values())
     runs: dict[str, list[dict]] = {m: [] for m in methods}
@@ -294,7 +295,7 @@ def main(args: argparse.Namespace) -> int:
           f"python {platform.python_version()}")
     print(f"target: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {model.dtype}), "
           f"drafter {drafter.source} (confidence head: {'yes' if drafter.confidence is not None else 'no'}), "
-          f"k={args.k}, {args.new_tokens} new tokens")
+          f"k={args.k or f'{FIXED_K} fixed and HF, {AUTO_K} scheduled'}, {args.new_tokens} new tokens")
     remote_addr, server = None, None
     if args.remote:
         import subprocess
@@ -309,7 +310,8 @@ def main(args: argparse.Namespace) -> int:
                 for batch in args.batches:
                     condition(model, tok, name, prompts, batch, temp, args, drafter, cost, remote_addr)
         for b in sorted({min(x, args.prompts) for x in args.batches}):
-            longest = 24 if b == 1 and any("tree" in m for m in args.methods) else args.k  # trees verify up to 25
+            # trees verify up to 25
+            longest = 24 if b == 1 and any("tree" in m for m in args.methods) else args.k or AUTO_K
             c = cost.curve(b, min(longest, len(cost.data[str(b)]["verify"]) - 1), frozen=True)
             print(f"cost curve at batch {b} (forward of L tokens / 1 token): "
                   f"{[round(x / c[0], 2) for x in c]}, 1 token = {c[0] * 1e3:.2f} ms, drafter step "
@@ -330,7 +332,8 @@ if __name__ == "__main__":
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="(default: %(default)s)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8], help="(default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: %(default)s)")
-    ap.add_argument("--k", type=int, default=5, help="draft length of the fixed rows, longest draft of auto")
+    ap.add_argument("--k", type=int, default=None, help="draft length of the fixed rows and HF prompt lookup, longest "
+                    "draft of the scheduled ones (default: 5 fixed and HF, 8 scheduled: the decoder's own defaults)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     ap.add_argument("--model", default="default")
     ap.add_argument("--drafter", default="default")

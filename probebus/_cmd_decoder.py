@@ -55,7 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only")
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with this much mass")
-    p.add_argument("--k", type=int, default=5, help="longest draft per round, 1..16 (default: %(default)s)")
+    p.add_argument("--k", type=int, default=None, help="longest draft per round, 1..16 (default: 8 scheduled, 5 "
+                   "with --fixed)")
     p.add_argument("--fixed", action="store_true", help="draft exactly --k tokens every round (no scheduling)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per batch, >= 1 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="random seed: same seed, same output")
@@ -149,8 +150,8 @@ def load_target(args: argparse.Namespace, need_tokenizer: bool = True):  # noqa:
     return model.to(dev), tok
 
 
-def make_decoder(model: torch.nn.Module, drafter: str, k: int, *, fixed: bool = False, endpoint: str | None = None,
-                 refresh_cost: bool = False, tree: int | None = None):  # noqa: ANN201 - a SpeculativeDecoder
+def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: bool = False,
+                 endpoint: str | None = None, refresh_cost: bool = False, tree: int | None = None):  # noqa: ANN201 - a SpeculativeDecoder
     """The decoder for a --drafter value; raises DrafterError for a bad drafter."""
     from decoder import CostModel, NgramDrafter, SpeculativeDecoder, load_drafter, load_named_drafter, tree_nodes
 
@@ -184,7 +185,7 @@ def _check_generate(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if not 1 <= args.k <= 16:
+    if args.k is not None and not 1 <= args.k <= 16:
         raise UsageError(f"--k must be between 1 and 16, got {args.k}")
     if args.temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
