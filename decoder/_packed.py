@@ -17,8 +17,8 @@ Only forwards of more than one position per row go through the packed weights (a
 tree); a one-token step, as plain `generate` runs it, keeps `F.linear`, so the loop's plain
 rounds compute exactly what `generate` does. Acceptance only compares argmaxes or
 probabilities of each position, so the few-ulp differences between the kernels matter no
-more than those `F.linear` already has between 1 and 6 rows. A layer is left alone while anything else wraps or hooks
-it (a probe on `logits`), and repacked when its weight changes. The packed copies cost the
+more than those `F.linear` already has between 1 and 6 rows. A layer is left alone while
+anything else wraps or hooks it (a probe on `logits`), and repacked when its weight changes. The packed copies cost the
 weights' size again in memory: past `max_bytes` (1 GiB) of linear weights, only the LM head
 is packed (`which="head"` asks for that; `SpeculativeDecoder(..., packed="head")`).
 """
@@ -74,7 +74,7 @@ class PackedLinears:
 
     def refresh(self) -> None:
         """Repack the weights that changed since they were packed (once per call of the loop, not per round:
-        reading 57 weights' versions costs ~70 us)."""
+        checking all 57 layers of the default target every round cost ~250 us)."""
         for i, layer in enumerate(self.layers):
             w = layer.weight
             key = (w.data_ptr(), w._version, tuple(w.shape))
