@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ._sched import DraftPlan
+from ._verify import sample
 
 
 def draft_chain(logits: torch.Tensor, step: Callable[[torch.Tensor, int], torch.Tensor], k: int, temperature: float,
@@ -33,7 +34,7 @@ def draft_chain(logits: torch.Tensor, step: Callable[[torch.Tensor, int], torch.
         probs = logits.float().softmax(-1)
         if temperature > 0:
             q = (logits.float() / temperature).softmax(-1)
-            tok = torch.multinomial(q, 1, generator=gen).squeeze(-1)
+            tok = sample(q, gen)
             qs.append(q)
         else:
             tok = probs.argmax(-1)

@@ -32,6 +32,7 @@ from ._eagle import RMSNorm
 from ._feeder import Drafts, Feed
 from ._medusa import MedusaFeeder, ResBlock
 from ._sched import DraftPlan
+from ._verify import sample
 
 
 @dataclass
@@ -108,7 +109,7 @@ class DSparkFeeder(MedusaFeeder):
             logits, conf, _ = self.heads.position(base[:, i], prev)
             if temperature > 0:
                 q = (logits / temperature).softmax(-1)
-                prev = torch.multinomial(q, 1, generator=gen).squeeze(-1)
+                prev = sample(q, gen)
                 qs.append(q)
             else:
                 prev = logits.argmax(-1)

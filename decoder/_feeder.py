@@ -24,6 +24,7 @@ import probe
 
 from ._eagle import Eagle3Drafter
 from ._sched import DraftPlan
+from ._verify import sample
 
 
 @dataclass
@@ -240,7 +241,7 @@ class EagleFeeder:
             lg = logits[:, 0]
             if temperature > 0:  # sample in the draft vocabulary: q never needs the target's full vocabulary
                 q = (lg.float() / temperature).softmax(-1)
-                did = torch.multinomial(q, 1, generator=gen).squeeze(-1)
+                did = sample(q, gen)
                 qs.append(q)
             else:
                 did = lg.argmax(-1)

@@ -36,7 +36,7 @@ from ._sched import DraftPlan, RowFix, Scheduler
 from ._slots import open_slots
 from ._state import Run, SpecOutput, SpecStats, check_call, eos_list
 from ._tree_round import supports_tree, tree_round
-from ._verify import target_probs, verify_greedy_rows, verify_rows
+from ._verify import sample, target_probs, verify_greedy_rows, verify_rows
 
 __all__ = ["RoundDrafts", "SpecOutput", "SpecStats", "SpeculativeDecoder"]
 
@@ -460,4 +460,4 @@ class SpeculativeDecoder(ProbeSwitch):
         if run.mode == "greedy":
             return logits.argmax(-1)
         p = target_probs(logits, run.temperature, run.top_k, run.top_p)
-        return torch.multinomial(p, 1, generator=run.gen).squeeze(-1)
+        return sample(p, run.gen)

@@ -33,6 +33,7 @@ import probe
 
 from ._feeder import Drafts, Feed, tree_positions
 from ._sched import DraftPlan
+from ._verify import sample
 
 
 @dataclass
@@ -165,7 +166,7 @@ class MedusaFeeder:
         if temperature > 0:
             gen = torch.Generator(device=logits.device).manual_seed(seed) if seed is not None else None
             q = (logits / temperature).softmax(-1)
-            tokens = torch.multinomial(q.flatten(0, 1), 1, generator=gen).view(b, s)
+            tokens = sample(q, gen)
         else:
             tokens = probs.argmax(-1)
         conf = probs.gather(2, tokens[..., None]).squeeze(-1)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._state import SpecStats
-from ._verify import target_probs, verify_greedy_rows, verify_rows
+from ._verify import sample, target_probs, verify_greedy_rows, verify_rows
 
 
 @dataclass
@@ -127,7 +127,7 @@ def oracle_bound(spec, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             src = outcome["ngram" if name == "none" else name]
             chosen[r, :acc] = src[0][r, :acc]
             slot = src[2][r, acc] if src[3] is None else src[3][r, acc]
-            nxt.append(int(slot.argmax()) if src[3] is None else int(torch.multinomial(slot, 1, generator=run.gen)))
+            nxt.append(int(slot.argmax()) if src[3] is None else int(sample(slot, run.gen)))
             if active[r]:
                 res.choices[name if acc else "none"] += 1
                 res.accepted += acc

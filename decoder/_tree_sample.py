@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from ._tree import Tree, _rows
+from ._verify import sample
 
 # expand(tokens of the new frontier, index of each one's parent in the previous frontier, depth) -> q [F, V]
 Expand = Callable[[list[int], list[int], int], torch.Tensor]
@@ -55,7 +56,7 @@ def grow_sampled(root_q: torch.Tensor, expand: Expand, depth: int, top_k: int, v
         for f, m in enumerate(slots):
             if not m:
                 continue
-            drawn = torch.multinomial(q[f], m, replacement=True, generator=generator).tolist()
+            drawn = sample(q[f], generator, m).tolist()
             parent = front[f]
             tree.draws[parent + 1] = (q[f], drawn)
             for x in dict.fromkeys(drawn):  # distinct tokens in the order first drawn
@@ -134,7 +135,7 @@ def verify_drawn_tree(tree: Tree, p: torch.Tensor, generator: torch.Generator | 
             if mass > 0:  # 0 only when r equals q up to rounding, where a rejection cannot happen
                 r = rest / mass
         else:
-            x = int(torch.multinomial(r, 1, generator=generator))
+            x = int(sample(r, generator))
             if drawn or (at, x) not in child:
                 return path, x
         path.append(child[(at, x)])

@@ -8,7 +8,8 @@ Greedy keeps the longest prefix equal to the target's argmax. Sampling uses the
 speculative-sampling rule, which leaves the output distribution exactly p:
 deterministic drafts (q is a point mass): accept x with probability p(x), else sample
 from p with x removed; sampled drafts: accept with min(1, p(x)/q(x)), else sample from
-max(p - q, 0) renormalised. No lossy acceptance knob exists here.
+max(p - q, 0) renormalised. No lossy acceptance knob exists here. Every draw goes through
+`sample` (inverse CDF), which draws what `torch.multinomial` draws, faster.
 """
 
 from __future__ import annotations
@@ -34,6 +35,25 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int | None = N
     return x.softmax(-1)
 
 
+def sample(p: torch.Tensor, generator: torch.Generator | None = None, n: int | None = None) -> torch.Tensor:
+    """One draw from each distribution p [..., V] (non-negative weights, summing to anything > 0): [...]; or n
+    independent draws (with replacement): [..., n].
+
+        tok = sample(target_probs(logits, 0.8), gen)
+
+    Inverse CDF: a uniform u scaled to the row's total lands in token i's interval [cdf[i-1], cdf[i]) with
+    probability p[i] / total, the distribution `torch.multinomial(p, n, replacement=True)` draws from. Why not
+    multinomial: on CPU it costs 190 us for one draw over 8192 tokens (63 us over 2048) against ~25 us here,
+    and the loop draws once per round and once per sampled draft step. The CDF runs in float64 so that a
+    vocabulary's worth of float32 terms adds up without drift; a token of zero weight has an empty interval and
+    is never drawn (u * total can round up to the total itself: that clamps to the last token of weight > 0)."""
+    cdf = p.double().cumsum(-1)
+    total = cdf[..., -1:].contiguous()
+    u = torch.rand((*p.shape[:-1], n or 1), generator=generator, device=p.device, dtype=torch.float64)
+    idx = torch.minimum(torch.searchsorted(cdf, u * total, right=True), torch.searchsorted(cdf, total))
+    return idx.squeeze(-1) if n is None else idx
+
+
 def accept(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor,
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative step for N rows: (accepted [N] bool, replacement token [N]).
@@ -55,7 +75,7 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor,
     mass = residual.sum(-1, keepdim=True)
     # mass == 0 only when p == q (or p is the point mass on x): then x is always accepted anyway.
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
-    repl = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    repl = sample(residual, generator)
     return ok, repl
 
 
@@ -72,7 +92,7 @@ def verify_sampling(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | Non
     """drafts [B, k], p [B, k+1, V], q [B, k, V] or None -> (n accepted [B], next token [B])."""
     b, k = drafts.shape
     n = torch.full((b,), k, dtype=torch.long, device=drafts.device)
-    nxt = torch.multinomial(p[:, k], 1, generator=generator).squeeze(-1)  # bonus if all are accepted
+    nxt = sample(p[:, k], generator)  # bonus if all are accepted
     alive = torch.ones(b, dtype=torch.bool, device=drafts.device)
     for i in range(k):
         ok, repl = accept(p[:, i], None if q is None else q[:, i], drafts[:, i], generator)
@@ -108,7 +128,7 @@ def verify_rows(drafts: torch.Tensor, k_rows: torch.Tensor, p: torch.Tensor, q_d
     rows = torch.arange(b, device=drafts.device)
     if n == 0:
         return torch.zeros(b, dtype=torch.long, device=drafts.device), \
-            torch.multinomial(p[:, 0], 1, generator=generator).squeeze(-1)
+            sample(p[:, 0], generator)
     px = p[:, :n].gather(2, drafts[:, :, None]).squeeze(-1)  # [B, n]
     u = torch.rand((b, n), generator=generator, device=p.device)
     if q_draft is not None and bool(sampled.any()):
@@ -135,4 +155,4 @@ def verify_rows(drafts: torch.Tensor, k_rows: torch.Tensor, p: torch.Tensor, q_d
         mass = res.sum(-1, keepdim=True)
         # zero residual mass only when p == q (or p is the point mass on x): x was then accepted anyway
         pn = torch.where(rejected[:, None] & (mass > 0), res / mass.clamp_min(1e-30), pn)
-    return n_acc, torch.multinomial(pn, 1, generator=generator).squeeze(-1)
+    return n_acc, sample(pn, generator)

@@ -141,3 +141,28 @@ def test_compact_draft_vocabulary_rule_preserves_p() -> None:
                            sampled[:half], g)
     biased = torch.where(nb >= 1, drafts[:half, 0], nxtb)
     assert _p_value(torch.bincount(biased, minlength=V_).double(), p0.double()) < 1e-6
+
+
+def test_sample_draws_the_distribution() -> None:
+    """`sample` (inverse CDF, what every draw of the decoder goes through) against the weights it is given:
+    unnormalised weights, zero-weight tokens, one draw per row of a batch and n draws of one row; a draw that
+    skips the interval arithmetic (a cumsum in the wrong order) fails the same test."""
+    from decoder._verify import sample
+
+    g = torch.Generator().manual_seed(21)
+    w = _dist(8, slice(1, 7)) * 3.5  # tokens 0 and 7 weigh nothing; the weights sum to 3.5
+    rows = sample(w.expand(N, V), g)
+    assert rows.shape == (N,)
+    assert _p_value(torch.bincount(rows, minlength=V), w / w.sum()) > 1e-3
+    many = sample(w, g, n=N)
+    assert many.shape == (N,)
+    assert _p_value(torch.bincount(many, minlength=V), w / w.sum()) > 1e-3
+    batch = sample(torch.rand(3, 5, 2048, generator=g), g)
+    assert batch.shape == (3, 5) and int(batch.max()) < 2048
+    flipped = sample(w.flip(-1), g, n=N)  # a biased draw: the weights of the reversed vocabulary
+    with pytest.raises(AssertionError):
+        assert _p_value(torch.bincount(flipped, minlength=V), w / w.sum()) > 1e-3
+    edge = torch.zeros(V)
+    edge[3] = 1.0  # all the mass on one token, zero weight after it: u * total rounding up stays on it
+    assert set(sample(edge, g, n=1000).tolist()) == {3}
+    assert sample(edge, g, n=1).shape == (1,)
