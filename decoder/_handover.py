@@ -1,4 +1,5 @@
-"""Handing a call, or the rest of a losing one, to the target's own `generate`.
+"""Handing a call, or the rest of a losing one, to plain decoding: the target's own `generate`, or for a
+sampled call on CPU the loop's own plain rounds (`loop_plain`, measured faster there).
 
     out = plain_call(spec, input_ids, ...)  # the whole call (the path choice measured drafting not to pay)
     if auto and losing(spec, run, t_decode):
@@ -45,6 +46,19 @@ if TYPE_CHECKING:
 HAND_OVER_AFTER = 32  # decoded tokens before a call's own rate is judged (early rounds still calibrate)
 HAND_OVER_LOSS = 1.1  # seconds per token over a one-token forward (a plain step runs ~1.05x of one)
 MIN_LEFT = 16  # tokens worth handing over: fewer do not repay `generate`'s start
+# Devices on which a sampled call's plain part (a whole call the path choice gave to plain decoding, or the rest
+# of one that measured itself losing) runs as the loop's own plain rounds, probes off, instead of `generate`.
+# On the 2-core CPU VM the loop's plain round outran `generate`'s step once both sampled by inverse CDF and
+# `generate` by torch.multinomial (`_verify.sample`), per forward, 24 stdlib prompts, T = 0.8, 96 tokens:
+# batch 1 6.53 ms against 6.64 (0.37 ms outside the forward against 0.63), batch 8 10.42 against 11.73
+# (0.75 against 2.03). Greedy calls keep `generate` (batch 8: 11.83 against 11.59 ms), and so does every other
+# device: not measured there, and a GPU's multinomial is no reason to leave `generate`.
+LOOP_PLAIN = ("cpu",)
+
+
+def loop_plain(temperature: float, device: torch.device) -> bool:
+    """Whether a sampled call's plain part runs in the loop (see LOOP_PLAIN) rather than in `generate`."""
+    return temperature > 0 and device.type in LOOP_PLAIN
 
 
 def losing(spec: SpeculativeDecoder, run: Run, t_decode: float) -> bool:

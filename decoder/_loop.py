@@ -26,7 +26,7 @@ from ._accounting import account
 from ._cost import CostModel
 from ._eagle import Eagle3Drafter
 from ._feeder import Drafts, Feeder
-from ._handover import hand_over, losing, plain_call
+from ._handover import hand_over, loop_plain, losing, plain_call
 from ._medusa import MedusaFeeder
 from ._ngram import NgramDrafter
 from ._ngram_tree import ngram_tree_round, widen
@@ -174,13 +174,15 @@ class SpeculativeDecoder(ProbeSwitch):
         t0 = time.perf_counter()
         key = self.path_key(input_ids.shape[0], temperature)
         auto = not self.sched.fixed and seed is None and (self.feeder is not None or self.ngram is not None)
-        if auto and self.cost.paths.pick(key) == "plain":
+        plain = auto and self.cost.paths.pick(key) == "plain"
+        if plain and not loop_plain(temperature, next(self.target.parameters()).device):
             out = plain_call(self, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
                               pad_token_id, streamer)
             self.cost.paths.observe(key, "plain", out.stats.tokens_per_s, out.stats.emitted)
             return out
         run = self._start(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
                           streamer)
+        run.drafting = not plain  # a plain call of a sampled batch: the loop's own plain rounds (`loop_plain`)
         if self._packed is not None:
             self._packed.refresh()  # weights changed since the last call are packed again
         try:
@@ -191,7 +193,10 @@ class SpeculativeDecoder(ProbeSwitch):
         run.stats.seconds = time.perf_counter() - t0
         if run.streamer is not None:
             run.streamer.end()
-        if auto:  # what drafting achieved: a handed-over call counts its speculative part
+        if plain:
+            run.stats.delegated = True
+            self.cost.paths.observe(key, "plain", run.stats.tokens_per_s, run.stats.emitted)
+        elif auto:  # what drafting achieved: a handed-over call counts its speculative part
             tokens, seconds = spec_part or (run.stats.emitted, run.stats.seconds)
             seconds -= run.setup_s
             self.cost.paths.observe(key, "spec", tokens / max(seconds, 1e-9), tokens)
@@ -203,9 +208,16 @@ class SpeculativeDecoder(ProbeSwitch):
         if self.tree and run.b > 1:
             log.warning("tree drafts are verified at batch 1 only; this batch of %d verifies chains", run.b)
         t_decode = time.perf_counter()
+        spec_part = None
         while run.any_active():
+            if not run.drafting:
+                self._plain_round(run)
+                continue
             if auto and losing(self, run, t_decode):  # the rest as plain steps, on this call's cache
                 spec_part = (run.stats.emitted, time.perf_counter() - t0 - run.setup_s)
+                if loop_plain(run.temperature, run.device):
+                    run.drafting, run.handed = False, True
+                    continue
                 hand_over(self, run)
                 return spec_part
             if self.tree and run.b == 1:
@@ -222,7 +234,31 @@ class SpeculativeDecoder(ProbeSwitch):
             n_acc, nxt = self._accept(run, drafts, logits)
             kept = self._commit(run, drafts, n_acc, nxt)
             account(self, run, drafts, n_acc, kept, tr, tv)
-        return None
+        return spec_part
+
+    def _plain_round(self, run: Run) -> None:
+        """One plain step of every live row, probes off and no drafter asked: a sampled call that the path choice
+        gave to plain decoding, or the rest of one that measured itself losing (`loop_plain`)."""
+        t0 = time.perf_counter()
+        self._capture(False)
+        drafts = RoundDrafts(run.no_drafts, [0] * run.b, ["none"] * run.b)
+        inp, positions, mask = run.inputs(drafts.tokens)
+        with self._context("verify", run, positions):
+            logits = self.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
+                                 use_cache=True).logits
+        n_acc, nxt = self._accept(run, drafts, logits)
+        n = sum(len(t) for t in self._commit(run, drafts, n_acc, nxt))
+        st, dt = run.stats, time.perf_counter() - t0
+        st.emitted += n
+        st.row_rounds += n
+        st.plain_rounds += 1
+        if run.handed:  # counted as handed over, as the rest of a call in `generate` would be
+            st.handed_over += n
+            st.handover_steps += 1
+            st.handover_s += dt
+        else:
+            st.rounds += 1
+            st.verify_s += dt
 
     # --- pieces ---------------------------------------------------------------------------
     def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
@@ -234,6 +270,7 @@ class SpeculativeDecoder(ProbeSwitch):
         run = Run(input_ids, attention_mask, max_new_tokens=max_new_tokens, k=self.k, eos=eos_ids, device=device)
         run.temperature, run.top_k, run.top_p, run.streamer = temperature, top_k, top_p, streamer
         run.gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        run.drafting, run.handed = True, False
         run.mode = "sample" if temperature > 0 else "greedy"
         # A seed reproduces the output: the schedule then depends on nothing timed or learned in earlier calls
         # (priors and the cost curve as loaded); unseeded calls adapt to measured time and keep what they learn.
@@ -277,7 +314,7 @@ class SpeculativeDecoder(ProbeSwitch):
     def _prefill(self, run: Run) -> None:
         tv = time.perf_counter()
         if self.session is not None:  # the drafter wants the prompt's features, unless EAGLE-3 rests anyway
-            self._capture(self._awake(run))
+            self._capture(run.drafting and self._awake(run))
         mask, pos = run.prefill_inputs()
         run.seq_ids = self.session.new_seq_ids(run.b) if self.session is not None else None
         with self._context("prefill", run):

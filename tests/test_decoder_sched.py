@@ -121,6 +121,22 @@ def test_calls_where_drafting_does_not_pay_run_as_the_targets_own_generate(tmp_p
     assert not seeded.stats.delegated and torch.equal(seeded.sequences, want)  # a seed: nothing measured decides
     fixed = SpeculativeDecoder(model, NgramDrafter(), k=3, schedule="fixed", cost=spec.cost)
     assert not fixed.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD).stats.delegated
+    # sampled on CPU, a plain call is the loop's own plain rounds (`loop_plain`), not `generate`: top_k=1 makes
+    # the sample the argmax, so the output must still be greedy `generate`'s, EOS and padding included
+    from decoder import _handover
+
+    called = []
+    skey = spec.path_key(2, 0.7)
+    spec.cost.paths.observe(skey, "spec", 100.0)
+    spec.cost.paths.observe(skey, "plain", 200.0)
+    with monkeypatch.context() as m:
+        m.setattr(model, "generate", lambda *a, **k: called.append(1))
+        out = spec.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, temperature=0.7,
+                            top_k=1)
+    st = out.stats
+    assert st.delegated and not called and torch.equal(out.sequences, want)
+    assert st.rounds == st.plain_rounds == st.target_forwards - 1 and st.drafted == 0 and st.handed_over == 0
+    assert _handover.loop_plain(0.7, torch.device("cpu")) and not _handover.loop_plain(0.0, torch.device("cpu"))
 
     # Both paths measured first; then the faster one, and the slower one again after FIRST_GAP calls, then after
     # twice as many while it keeps losing.
@@ -187,13 +203,16 @@ def test_asking_eagle_is_learnt_per_band_of_what_ngram_offers() -> None:
     assert sc.wait[strong] <= sc.backoff[strong] - 1 and sc.wait[none] == 0
 
 
-def test_a_call_that_measures_itself_losing_hands_the_rest_to_generate(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    """Forced (no time margin): a sampled call continues in `generate` on the loop's own cache. Sampling with
-    top_k=1 is the argmax, so output, EOS and streaming must equal greedy `generate` exactly: the
-    continuation conditions on exactly the tokens so far, at any batch size (holes, padding and finished
-    rows included). Greedy calls stay in the loop."""
+@pytest.mark.parametrize("where", ["generate", "loop"])
+def test_a_call_that_measures_itself_losing_hands_the_rest_over(where: str, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Forced (no time margin): a sampled call continues in `generate` on the loop's own cache, or (`loop`, what
+    a CPU does: `_handover.loop_plain`) as the loop's own plain rounds. Sampling with top_k=1 is the argmax, so
+    output, EOS and streaming must equal greedy `generate` exactly: the continuation conditions on exactly the
+    tokens so far, at any batch size (holes, padding and finished rows included). Greedy calls stay in the
+    loop."""
     from decoder import _handover
 
+    monkeypatch.setattr(_handover, "LOOP_PLAIN", ("cpu",) if where == "loop" else ())
     monkeypatch.setenv("PROBEBUS_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_handover, "HAND_OVER_AFTER", 5)
     monkeypatch.setattr(_handover, "MIN_LEFT", 2)
@@ -271,7 +290,10 @@ def test_a_call_that_measures_itself_losing_hands_the_rest_to_generate(tmp_path:
         # per token of the batch, not per row: 29 forwards at most after the prefill's token
         assert st.handover_steps <= st.handed_over and len(st.history) + st.handover_steps <= 29
         assert simulated_seconds(st, spec.cost) <= 29e-3 + sum(h[4] for h in st.history) * 1e-5 + 1e-9
-    assert max(holes) > 0  # some row had drafts rejected where another kept more: a real hole was continued
+    if where == "generate":
+        assert max(holes) > 0  # some row had drafts rejected where another kept more: a real hole was continued
+    else:
+        assert not holes  # the loop's own plain rounds continue the cache it keeps, holes and all
     # EOS in one row: that row stops there, padded after, like `generate`; a row that is done leaves the batch
     row1 = want2[1, two.shape[1]:].tolist()
     for late in (True, False):  # EOS after the hand-over, or before it (row 1 finished: row 0 goes on alone)
