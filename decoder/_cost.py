@@ -75,7 +75,8 @@ class PathChoice:
     The first calls need the same care. A fresh decoder's first call pays the drafter's warm-up and learns its
     calibration from nothing, and per-call speedups spread 0.8-2.6x over one set of prompts at batch 1. So
     the speculative path keeps the calls until it has seen MIN_SPEC prompts (a call at batch b is b of them),
-    unless it lost by more than CLEAR at once (drafting at batch 8 or T = 0.8 here ran 0.6-0.8x). Counting
+    unless it lost by more than CLEAR at once over CLEAR_TOKENS tokens or more (drafting at batch 8 or
+    T = 0.8 here ran 0.6-0.8x). Counting
     prompts, not calls: a batch-8 call already averages over 8 prompts, and in a 6-call benchmark at batch 8
     its first 3 calls kept speculative where drafting lost (third-party code, greedy: auto 0.88x, n-gram
     alone 0.76x). Measured on the third-party set alone, one
@@ -86,7 +87,12 @@ class PathChoice:
     WINDOW = 8
     FIRST_GAP, MAX_GAP = 8, 64
     MIN_SPEC = 3  # prompts the speculative path is measured on before it may lose by a small margin
-    CLEAR = 1.15  # seconds per token against plain's that lose at once
+    CLEAR = 1.15  # seconds per token against plain's that lose at once...
+    # ...once the speculative path has decoded this many tokens. A fresh decoder's first call of 8 tokens (a
+    # warm-up, a smoke test) ran 57 ms against `generate`'s 47 on the default model (its prefill, probes on,
+    # little to draft from yet): that lost "clearly" and handed the next 8 calls of 96 tokens to `generate`,
+    # where drafting ran 1.6-3.7x on them (12 stdlib prompts).
+    CLEAR_TOKENS = 64
 
     def __init__(self) -> None:
         self.spt: dict[tuple, dict[str, deque[tuple[float, int]]]] = {}  # (seconds, tokens) of recent calls
@@ -100,6 +106,8 @@ class PathChoice:
             return None
         mean = {p: self.seconds_per_token(key, p) for p in obs}
         if len(obs["spec"]) * _rows(key) < self.MIN_SPEC:  # too few prompts to call a small loss
+            if sum(n for _, n in obs["spec"]) < self.CLEAR_TOKENS:  # ...or even a clear one
+                return "spec"
             return "spec" if mean["spec"] <= self.CLEAR * mean["plain"] else "plain"
         return "spec" if mean["spec"] <= mean["plain"] else "plain"
 

@@ -184,7 +184,9 @@ class SpeculativeDecoder(ProbeSwitch):
                           streamer)
         run.drafting = not plain  # a plain call of a sampled batch: the loop's own plain rounds (`loop_plain`)
         if self._packed is not None:
+            t_pack = time.perf_counter()
             self._packed.refresh()  # weights changed since the last call are packed again
+            run.setup_s += time.perf_counter() - t_pack  # (11 ms on the first call: not what drafting costs)
         try:
             self._prefill(run)
             spec_part = self._rounds(run, auto, t0)

@@ -111,8 +111,8 @@ def test_calls_where_drafting_does_not_pay_run_as_the_targets_own_generate(tmp_p
                               eos_token_id=EOS, pad_token_id=PAD)
     spec = SpeculativeDecoder(model, NgramDrafter(), k=3)
     key = spec.path_key(2, 0.0)
-    spec.cost.paths.observe(key, "spec", 100.0)
-    spec.cost.paths.observe(key, "plain", 200.0)  # as measured: plain calls were faster
+    spec.cost.paths.observe(key, "spec", 100.0, 96)
+    spec.cost.paths.observe(key, "plain", 200.0, 96)  # as measured: plain calls were faster
     out = spec.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
     assert out.stats.delegated and torch.equal(out.sequences, want)
     assert out.stats.emitted == sum(min(len(r[ids.shape[1]:]), (r[ids.shape[1]:] + [EOS]).index(EOS) + 1)
@@ -127,8 +127,8 @@ def test_calls_where_drafting_does_not_pay_run_as_the_targets_own_generate(tmp_p
 
     called = []
     skey = spec.path_key(2, 0.7)
-    spec.cost.paths.observe(skey, "spec", 100.0)
-    spec.cost.paths.observe(skey, "plain", 200.0)
+    spec.cost.paths.observe(skey, "spec", 100.0, 96)
+    spec.cost.paths.observe(skey, "plain", 200.0, 96)
     with monkeypatch.context() as m:
         m.setattr(model, "generate", lambda *a, **k: called.append(1))
         out = spec.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, temperature=0.7,
@@ -157,14 +157,19 @@ def test_calls_where_drafting_does_not_pay_run_as_the_targets_own_generate(tmp_p
 
     # The first calls: a small loss is not yet evidence (one prompt's drafts may just be accepted less), so
     # the speculative path keeps the calls until MIN_SPEC of them; a clear loss hands over at once.
-    small, clear = PathChoice(), PathChoice()
-    for c, rate in ((small, 95.0), (clear, 100.0 / PathChoice.CLEAR - 5.0)):
-        c.observe(key, c.pick(key), rate)
-        c.observe(key, c.pick(key), 100.0)
-    assert small.pick(key) == "spec" and clear.pick(key) == "plain"
+    # A clear loss over a short first call (a warm-up of a few tokens) is not evidence yet either.
+    n = PathChoice.CLEAR_TOKENS
+    small, clear, short = PathChoice(), PathChoice(), PathChoice()
+    for c, rate, tokens in ((small, 95.0, n), (clear, 100.0 / PathChoice.CLEAR - 5.0, n),
+                            (short, 100.0 / PathChoice.CLEAR - 5.0, 8)):
+        c.observe(key, c.pick(key), rate, tokens)
+        c.observe(key, c.pick(key), 100.0, tokens)
+    assert small.pick(key) == "spec" and clear.pick(key) == "plain" and short.pick(key) == "spec"
     while len(small.spt[key]["spec"]) < PathChoice.MIN_SPEC:
-        small.observe(key, small.pick(key), 95.0)
+        small.observe(key, small.pick(key), 95.0, n)
     assert small.pick(key) == "plain"
+    short.observe(key, "spec", 100.0 / PathChoice.CLEAR - 5.0, n)  # the same loss over a full call: now it counts
+    assert short.pick(key) == "plain"
     # ...counted in prompts: one call at batch 8 is 8 of them, so its small loss already decides.
     batch8, key8 = PathChoice(), (8, "greedy", "x")
     batch8.observe(key8, batch8.pick(key8), 95.0)
