@@ -45,7 +45,7 @@ def open_slots(target: nn.Module, drafters: list, endpoint: str | None) -> tuple
         own = feature_sites(d)
         feeder = d
         if isinstance(d, Eagle3Drafter):
-            feeder = EagleFeeder(d, session.endpoint)
+            feeder = EagleFeeder(d, session.endpoint, every_site=set(own) == set(sites))
         elif own:  # a Feeder of its own (RemoteEagle in another process, Medusa/MTP/DSpark heads)
             d.connect(session.endpoint)
         getter = getattr(feeder.drafter if isinstance(feeder, EagleFeeder) else feeder, "draft_to_target_ids", None)

@@ -40,8 +40,10 @@ def _oracle(target: torch.nn.Module, drafter: Eagle3Drafter, seq: torch.Tensor,
     return out, *first
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_feeder_drafts_equal_the_module_run_from_scratch(batch: int) -> None:
+@pytest.mark.parametrize(("batch", "every_site"), [(1, True), (2, True), (1, False)])
+def test_feeder_drafts_equal_the_module_run_from_scratch(batch: int, every_site: bool) -> None:
+    """every_site: the feeder subscribes to everything and a step's captures come as one bundle; else one
+    subscription per site, one message per capture. Both must deliver the same features."""
     target = build("llama", layers=4)
     torch.manual_seed(5)
     drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, aux_layer_ids=[0, 2, 3])).bind_target(target)
@@ -53,9 +55,10 @@ def test_feeder_drafts_equal_the_module_run_from_scratch(batch: int) -> None:
     seqs = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=12, do_sample=False,
                            pad_token_id=0, eos_token_id=None)
     session = probe.attach(target, feature_sites(drafter))
-    feeder = EagleFeeder(drafter, session.endpoint)
+    feeder = EagleFeeder(drafter, session.endpoint, every_site=every_site)
     try:
         session.wait_for_subscribers(1)
+        assert session.publisher.bundling == every_site
         feeder.prepare(batch, 64)
         seq_ids, cache = session.new_seq_ids(batch), DynamicCache()
         with torch.no_grad(), session.context(phase="prefill", seq_ids=seq_ids):
