@@ -33,14 +33,15 @@ class SpecStats:
     plain_rounds: int = 0  # rounds with nothing drafted (a plain step)
     tree_rounds: int = 0  # rounds that verified a draft tree (batch 1 with tree=N)
     by_drafter: dict[str, int] = field(default_factory=dict)  # rounds each model drafter was consulted
-    delegated: bool = False  # the call ran as the target's own `generate` (drafting measured not to pay)
-    handed_over: int = 0  # tokens the target's own `generate` decoded after the call measured itself losing
-    handover_steps: int = 0  # ... in this many steps of `generate` (one per token of the longest row)
+    delegated: bool = False  # the call ran as plain decoding (drafting measured not to pay): the target's own
+    # `generate`, or for a sampled call on CPU the loop's own plain rounds (`_handover.LOOP_PLAIN`)
+    handed_over: int = 0  # tokens plain decoding (as for `delegated`) made after the call measured itself losing
+    handover_steps: int = 0  # ... in this many plain steps (one per token of the longest row)
     seconds: float = 0.0
     draft_s: float = 0.0  # the rounds' drafting (scheduling included)
     verify_s: float = 0.0  # the rounds' target forwards, acceptance and bookkeeping (a delegated call: all of it)
     prefill_s: float = 0.0  # the prompt's forward
-    handover_s: float = 0.0  # the target's own `generate` after the call handed its rest over
+    handover_s: float = 0.0  # plain decoding after the call handed its rest over
     bus_s: float = 0.0
     # per round: verify length, active rows, drafts offered, drafts accepted, EAGLE-3 drafts made
     history: list[tuple[int, int, int, int, int]] = field(default_factory=list)
