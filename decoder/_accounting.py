@@ -52,8 +52,8 @@ def account(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts, n_acc: list
     if spec._cost is not None and run.b > 0:
         spec.cost.observe_verify(run.b, length, now - tv, capturing=spec._capturing)
         if drafts.eagle is not None and drafts.eagle.tokens.shape[1] > 1:
-            steps = drafts.eagle.tokens.shape[1]
-            spec.cost.observe_step(run.b, drafts.eagle.compute_s / steps)
+            steps = drafts.eagle.tokens.shape[1]  # (a drafter that does not time its steps: all of it, spread)
+            spec.cost.observe_step(run.b, drafts.eagle.step_s or drafts.eagle.compute_s / steps)
         drafting = drafts.eagle.bus_s + drafts.eagle.compute_s if drafts.eagle is not None else 0.0
         spec.cost.observe_overhead(run.b, max(tv - tr - drafting, 0.0))
 

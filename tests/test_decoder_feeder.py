@@ -74,7 +74,10 @@ def test_feeder_drafts_equal_the_module_run_from_scratch(batch: int, every_site:
                 cache.crop(-(3 - acc))
                 feeds = [(session.step, torch.full((batch,), fed), torch.full((batch,), fed + acc))]
             fed_end = int(feeds[-1][2][0])
-            got = feeder.draft(feeds, seqs, K, 0.0, None, None).tokens.tolist()
+            drafts = feeder.draft(feeds, seqs, K, 0.0, None, None)
+            got = drafts.tokens.tolist()
+            # what one more draft costs (the scheduler's step cost) is timed apart from the intake: within the call
+            assert 0 < drafts.step_s <= drafts.compute_s
             for r in range(batch):
                 want, h, logits = _oracle(target, drafter, seqs[r], fed_end)
                 assert got[r] == want, (batch, r, fed_end)
