@@ -11,7 +11,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._loop import RoundDrafts, SpeculativeDecoder
+    from ._feeder import RoundDrafts
+    from ._loop import SpeculativeDecoder
     from ._state import Run
 
 

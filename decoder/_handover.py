@@ -4,6 +4,7 @@ sampled call on CPU the loop's own plain rounds (`loop_plain`, measured faster t
     out = plain_call(spec, input_ids, ...)  # the whole call (the path choice measured drafting not to pay)
     if auto and losing(spec, run, t_decode):
         hand_over(spec, run)  # the remaining tokens come from target.generate on the loop's KV cache; exact
+    plain_round(spec, run)    # or, where loop_plain(...), one plain step of the loop itself per call
 
 Whole calls go to `generate` when drafting measured not to pay (`PathChoice`), but that choice is learned
 from earlier calls: the first calls, and each re-measurement of the speculative path, ran every round of a
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ._feeder import RoundDrafts
 from ._state import SpecOutput, SpecStats, check_call, eos_list, through_eos
 
 # generation-config fields that never change the tokens: kept as the model sets them
@@ -74,6 +76,31 @@ def losing(spec: SpeculativeDecoder, run: Run, t_decode: float) -> bool:
     if run.max_new - 1 - min(live) < MIN_LEFT:
         return False
     return (time.perf_counter() - t_decode) / min(live) > HAND_OVER_LOSS * spec.cost.verify(run.b, 1)
+
+
+def plain_round(spec: SpeculativeDecoder, run: Run) -> None:
+    """One plain step of every live row, probes off and no drafter asked: a sampled call that the path choice
+    gave to plain decoding, or the rest of one that measured itself losing (`loop_plain`)."""
+    t0 = time.perf_counter()
+    spec._capture(False)
+    drafts = RoundDrafts(run.no_drafts, [0] * run.b, ["none"] * run.b)
+    inp, positions, mask = run.inputs(drafts.tokens)
+    with spec._context("verify", run, positions):
+        logits = spec.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
+                             use_cache=True).logits
+    n_acc, nxt = spec._accept(run, drafts, logits)
+    n = sum(len(t) for t in spec._commit(run, drafts, n_acc, nxt))
+    st, dt = run.stats, time.perf_counter() - t0
+    st.emitted += n
+    st.row_rounds += n
+    st.plain_rounds += 1
+    if run.handed:  # counted as handed over, as the rest of a call in `generate` would be
+        st.handed_over += n
+        st.handover_steps += 1
+        st.handover_s += dt
+    else:
+        st.rounds += 1
+        st.verify_s += dt
 
 
 class _AfterPrompt:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,8 +24,8 @@ from torch import nn
 from ._accounting import account
 from ._cost import CostModel
 from ._eagle import Eagle3Drafter
-from ._feeder import Drafts, Feeder
-from ._handover import hand_over, loop_plain, losing, plain_call
+from ._feeder import Drafts, Feeder, RoundDrafts
+from ._handover import hand_over, loop_plain, losing, plain_call, plain_round
 from ._medusa import MedusaFeeder
 from ._ngram import NgramDrafter
 from ._ngram_tree import ngram_tree_round, widen
@@ -48,22 +47,6 @@ log = logging.getLogger("decoder")
 # third-party 1.72 / 1.78 / 1.82x, prose 1.84 / 1.83 / 1.85x (and 1.62 / 1.72x, 1.66 / 1.65x for k = 5 / 8 on
 # 12 prompts). A fixed schedule drafts exactly k every round, where 5 stays the better length.
 AUTO_K, FIXED_K = 8, 5
-
-
-@dataclass
-class RoundDrafts:
-    """What one round verifies: drafts [B, L-1] (row r offers k_rows[r]) and what the scheduler knew."""
-
-    tokens: torch.Tensor
-    k_rows: list[int]
-    methods: list[str]
-    ids: torch.Tensor | None = None  # draft-vocabulary ids (EAGLE-3 rows)
-    q: torch.Tensor | None = None  # [B, L-1, draft_vocab] for rows that sampled from the drafter
-    sampled: list[bool] | None = None
-    eagle: Drafts | None = None  # everything EAGLE-3 proposed this round (for calibration)
-    props: list[list[int]] | None = None  # n-gram proposals, match lengths, overlaps
-    match: list[int] | None = None
-    overlap: list[float] | None = None
 
 
 class SpeculativeDecoder(ProbeSwitch):
@@ -213,7 +196,7 @@ class SpeculativeDecoder(ProbeSwitch):
         spec_part = None
         while run.any_active():
             if not run.drafting:
-                self._plain_round(run)
+                plain_round(self, run)
                 continue
             if auto and losing(self, run, t_decode):  # the rest as plain steps, on this call's cache
                 spec_part = (run.stats.emitted, time.perf_counter() - t0 - run.setup_s)
@@ -237,30 +220,6 @@ class SpeculativeDecoder(ProbeSwitch):
             kept = self._commit(run, drafts, n_acc, nxt)
             account(self, run, drafts, n_acc, kept, tr, tv)
         return spec_part
-
-    def _plain_round(self, run: Run) -> None:
-        """One plain step of every live row, probes off and no drafter asked: a sampled call that the path choice
-        gave to plain decoding, or the rest of one that measured itself losing (`loop_plain`)."""
-        t0 = time.perf_counter()
-        self._capture(False)
-        drafts = RoundDrafts(run.no_drafts, [0] * run.b, ["none"] * run.b)
-        inp, positions, mask = run.inputs(drafts.tokens)
-        with self._context("verify", run, positions):
-            logits = self.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
-                                 use_cache=True).logits
-        n_acc, nxt = self._accept(run, drafts, logits)
-        n = sum(len(t) for t in self._commit(run, drafts, n_acc, nxt))
-        st, dt = run.stats, time.perf_counter() - t0
-        st.emitted += n
-        st.row_rounds += n
-        st.plain_rounds += 1
-        if run.handed:  # counted as handed over, as the rest of a call in `generate` would be
-            st.handed_over += n
-            st.handover_steps += 1
-            st.handover_s += dt
-        else:
-            st.rounds += 1
-            st.verify_s += dt
 
     # --- pieces ---------------------------------------------------------------------------
     def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,

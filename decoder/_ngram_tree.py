@@ -38,7 +38,8 @@ from ._tree import Tree
 from ._tree_round import count_round, verify_tree
 
 if TYPE_CHECKING:
-    from ._loop import RoundDrafts, SpeculativeDecoder
+    from ._feeder import RoundDrafts
+    from ._loop import SpeculativeDecoder
     from ._state import Run
 
 
