@@ -85,7 +85,7 @@ def plain_round(spec: SpeculativeDecoder, run: Run) -> None:
     spec._capture(False)
     drafts = RoundDrafts(run.no_drafts, [0] * run.b, ["none"] * run.b)
     inp, positions, mask = run.inputs(drafts.tokens)
-    with spec._context("verify", run, positions):
+    with spec._context("verify", run, positions), spec.packed_weights(run.mode == "sample"):
         logits = spec.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
                              use_cache=True).logits
     n_acc, nxt = spec._accept(run, drafts, logits)

@@ -127,10 +127,10 @@ class SpeculativeDecoder(ProbeSwitch):
             self._cost = CostModel.for_target(self.target, packed=self._packed.kind if self._packed else "none")
         return self._cost
 
-    def packed_weights(self) -> contextlib.AbstractContextManager:
-        """Around a forward of several tokens per row: the target's linear layers with their weights packed once
-        (`_packed.py`), where that applies."""
-        return self._packed.active() if self._packed is not None else contextlib.nullcontext()
+    def packed_weights(self, one_token: bool = False) -> contextlib.AbstractContextManager:
+        """Around a forward of several tokens per row (with `one_token`, any forward: a sampled call's): the
+        target's linear layers with their weights packed once (`_packed.py`), where that applies."""
+        return self._packed.active(one_token) if self._packed is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         for slot in self.slots:  # first: the session then has no one to wait for at its end of stream
@@ -376,7 +376,7 @@ class SpeculativeDecoder(ProbeSwitch):
         inp, positions, mask = run.inputs(drafts.tokens)
         if self.session is not None:  # EAGLE-3 resting for a while: take the probes off the model meanwhile
             self._capture(self._awake(run))
-        with self._context("verify", run, positions), self.packed_weights():
+        with self._context("verify", run, positions), self.packed_weights(run.mode == "sample"):
             return self.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
                                use_cache=True).logits
 

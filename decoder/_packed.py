@@ -14,8 +14,12 @@ MLP projections packed too (1 thread, median of 300 interleaved; design notes, "
 layers").
 
 Only forwards of more than one position per row go through the packed weights (a verify, a
-tree); a one-token step, as plain `generate` runs it, keeps `F.linear`, so the loop's plain
-rounds compute exactly what `generate` does. Acceptance only compares argmaxes or
+tree); a one-token step, as plain `generate` runs it, keeps `F.linear`, so the loop's greedy plain
+rounds compute exactly what `generate` does. A sampled call asks for every forward packed
+(`active(one_token=True)`): its tokens are draws, which no kernel's rounding makes any less the
+target's, and a one-token forward of the default target took 5.0-5.1 ms packed against 5.5 ms (batch 1)
+and 6.7 against 8.5 ms (batch 8; 8 rows through the 8192 x 192 head repack it on every call), median of
+60 steps in 5 interleaved repeats, 2-core VM. Acceptance only compares argmaxes or
 probabilities of each position, so the few-ulp differences between the kernels matter no
 more than those `F.linear` already has between 1 and 6 rows. A layer is left alone while
 anything else wraps or hooks it (a probe on `logits`), and repacked when its weight changes. The packed copies cost the
@@ -55,6 +59,7 @@ class PackedLinears:
     def __init__(self, layers: list[nn.Linear], kind: str) -> None:
         self.layers, self.kind = layers, kind  # kind: "all" or "head" (what the cost curve was measured with)
         self._packed: list[tuple[tuple, object] | None] = [None] * len(layers)  # (weight key, forward)
+        self._one_token = [False]  # read by every packed forward: one-token forwards packed too
 
     @classmethod
     def of(cls, target: nn.Module, which: str = "all", max_bytes: int = 1 << 30) -> PackedLinears | None:
@@ -79,10 +84,12 @@ class PackedLinears:
             w = layer.weight
             key = (w.data_ptr(), w._version, tuple(w.shape))
             if self._packed[i] is None or self._packed[i][0] != key:
-                self._packed[i] = (key, _packed_forward(layer))
+                self._packed[i] = (key, _packed_forward(layer, self._one_token))
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self, one_token: bool = False) -> Iterator[None]:
+        """The packed weights for forwards of several positions per row, and with `one_token` for every forward
+        (a sampled call's: see the module's docstring)."""
         if torch.is_grad_enabled():
             yield  # a forward that needs gradients: as it is
             return
@@ -95,20 +102,28 @@ class PackedLinears:
                 continue  # someone else's tap or hook (a probe on `logits`): as it is
             own["forward"] = forward  # the instance dict itself: nn.Module.__setattr__ costs ~2 us a call
             swapped.append(own)
+        self._one_token[0] = one_token
         try:
             yield
         finally:
+            self._one_token[0] = False
             for own in swapped:
                 del own["forward"]
 
 
-def _packed_forward(layer: nn.Linear):  # noqa: ANN202
-    """The layer's forward over its weight packed now: oneDNN for several positions per row, else F.linear."""
+def _pointwise_op():  # noqa: ANN202
+    """oneDNN's linear over a packed weight (looked up when a layer is packed: a test can watch it)."""
+    return torch.ops.mkldnn._linear_pointwise
+
+
+def _packed_forward(layer: nn.Linear, one_token: list[bool]):  # noqa: ANN202
+    """The layer's forward over its weight packed now: oneDNN for several positions per row (or for any forward
+    while one_token[0]), else F.linear."""
     packed, weight, bias = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 8), layer.weight, layer.bias
-    pointwise = torch.ops.mkldnn._linear_pointwise
+    pointwise = _pointwise_op()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 3 and x.shape[1] > 1 and x.dtype == torch.float32:
+        if x.dim() == 3 and (x.shape[1] > 1 or one_token[0]) and x.dtype == torch.float32:
             return pointwise(x, packed, bias, "none", [], "")
         return F.linear(x, weight, bias)
 

@@ -214,6 +214,22 @@ def test_packed_weights_serve_multi_token_forwards_only_and_step_aside_for_hooks
             assert not any("forward" in m.__dict__ for m in linears), "put back"
             torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
             assert torch.equal(out_one, one), "one token per row: F.linear, bit for bit what generate computes"
+    # A sampled call asks for one-token forwards packed too: oneDNN serves them, to rounding what F.linear gives.
+    calls = []
+    real = packed_mod._pointwise_op()
+    monkeypatch.setattr(packed_mod, "_pointwise_op", lambda: lambda *a: calls.append(1) or real(*a))
+    watched = PackedLinears.of(model)
+    with torch.no_grad():
+        with watched.active():
+            model(ids[:, :1])
+        assert not calls
+        with watched.active(one_token=True):
+            sampled_one = model(ids[:, :1]).logits
+        assert len(calls) == len(watched.layers)
+        with watched.active():
+            model(ids[:, :1])
+        assert len(calls) == len(watched.layers), "the flag ends with its forward"
+    torch.testing.assert_close(sampled_one, one, rtol=1e-5, atol=1e-5)
     # A changed weight is packed again (the loop refreshes at the start of each call), inside the model as well.
     with torch.no_grad():
         model.lm_head.weight.mul_(2)
@@ -231,3 +247,23 @@ def test_packed_weights_serve_multi_token_forwards_only_and_step_aside_for_hooks
         model(ids)
     h.remove()
     assert seen == [(2, 7, model.config.vocab_size)]
+
+
+def test_sampled_calls_pack_one_token_forwards_greedy_calls_do_not(monkeypatch) -> None:  # noqa: ANN001
+    """The loop asks `_packed.py` for one-token forwards packed in sampled calls only: greedy plain rounds stay
+    bit for bit what `generate` computes."""
+    import decoder._packed as packed_mod
+
+    if not packed_mod._ops_available():
+        pytest.skip("this torch build has no oneDNN linear ops")
+    calls = []
+    real = packed_mod._pointwise_op()
+    monkeypatch.setattr(packed_mod, "_pointwise_op", lambda: lambda *a: calls.append(a[0].shape) or real(*a))
+    torch.manual_seed(0)
+    model = build("llama", layers=2)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with SpeculativeDecoder(model, None) as spec:
+        spec.generate(ids, max_new_tokens=6)
+        assert not calls  # greedy plain rounds: F.linear
+        spec.generate(ids, max_new_tokens=6, temperature=0.7, seed=1)
+    assert len(calls) == 5 and all(s[1] == 1 for s in calls)  # the 5 one-token rounds after the prefill's token
