@@ -82,7 +82,7 @@ ALL = ["plain", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3", "EAGLE-3
        "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several"]
 # A/B runs, named, never in 'all': the packed weights (LM head only, none), and n-gram trees (decoder/_ngram_tree.py)
 AB = ["n-gram, packed=head", "auto, packed=head", "n-gram, packed=none", "auto, packed=none", "n-gram tree",
-       "n-gram scheduled", "auto, chains"]
+       "n-gram scheduled", "auto, chains", "loop, no drafter"]  # the last: the loop's own plain steps, no drafting
 DEFAULT = ["plain", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
 BASELINES = ("plain", "HF prompt lookup", "HF assisted")  # no probe attached, the target's own generate
 BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only
@@ -103,6 +103,8 @@ def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr:
         # other methods is measured by whichever calls first, and a first call that measures looks slow.
         spec.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, seed=0)
         return spec
+    if name == "loop, no drafter":  # what the loop's own steps are worth against `generate`, nothing drafted
+        return SpeculativeDecoder(model, None, cost=cost)
     if name == "n-gram":
         return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule="fixed", cost=cost)
     if name in ("n-gram tree", "n-gram scheduled"):  # n-gram alone, scheduled, with and without its trees
