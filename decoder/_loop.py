@@ -163,9 +163,9 @@ class SpeculativeDecoder(ProbeSwitch):
                               pad_token_id, streamer)
             self.cost.paths.observe(key, "plain", out.stats.tokens_per_s, out.stats.emitted)
             return out
+        # a plain call of a sampled batch: the loop's own plain rounds (`loop_plain`)
         run = self._start(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
-                          streamer)
-        run.drafting = not plain  # a plain call of a sampled batch: the loop's own plain rounds (`loop_plain`)
+                          streamer, drafting=not plain)
         if self._packed is not None:
             t_pack = time.perf_counter()
             self._packed.refresh()  # weights changed since the last call are packed again
@@ -201,7 +201,7 @@ class SpeculativeDecoder(ProbeSwitch):
             if auto and losing(self, run, t_decode):  # the rest as plain steps, on this call's cache
                 spec_part = (run.stats.emitted, time.perf_counter() - t0 - run.setup_s)
                 if loop_plain(run.temperature, run.device):
-                    run.drafting, run.handed = False, True
+                    run.drafting, run.handed, run.ngram = False, True, None  # no more drafts: no index to grow
                     continue
                 hand_over(self, run)
                 return spec_part
@@ -224,14 +224,16 @@ class SpeculativeDecoder(ProbeSwitch):
     # --- pieces ---------------------------------------------------------------------------
     def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
                temperature: float, top_k: int | None, top_p: float | None, eos: int | list[int] | None,
-               seed: int | None, streamer: object) -> Run:
+               seed: int | None, streamer: object, drafting: bool = True) -> Run:
+        """The call's state; with `drafting` False (plain rounds only) no cost curve, drafter buffers or n-gram
+        index are set up."""
         check_call(input_ids, max_new_tokens, streamer)
         device = next(self.target.parameters()).device
         eos_ids = eos_list(eos)
         run = Run(input_ids, attention_mask, max_new_tokens=max_new_tokens, k=self.k, eos=eos_ids, device=device)
         run.temperature, run.top_k, run.top_p, run.streamer = temperature, top_k, top_p, streamer
         run.gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-        run.drafting, run.handed = True, False
+        run.drafting, run.handed = drafting, False
         run.mode = "sample" if temperature > 0 else "greedy"
         # A seed reproduces the output: the schedule then depends on nothing timed or learned in earlier calls
         # (priors and the cost curve as loaded); unseeded calls adapt to measured time and keep what they learn.
@@ -251,7 +253,7 @@ class SpeculativeDecoder(ProbeSwitch):
         run.tried = set()
         run.cur = 0
         run.feeds = run.feeds_by[0]
-        if self.feeder is not None or self.ngram is not None:
+        if drafting and (self.feeder is not None or self.ngram is not None):
             off = on = None
             if self.session is not None:  # both probe states: capturing forwards cost more (the drafter skips
                 off, on = self._probes(False), self._probes(True)  # their captures: nobody told it to read them)
@@ -260,13 +262,13 @@ class SpeculativeDecoder(ProbeSwitch):
             t_cost = time.perf_counter()
             self.cost.ensure(run.b, k_max, eagle3, off, on)
             run.setup_s = time.perf_counter() - t_cost  # once per model and machine: not what drafting costs a call
-        for slot in self.slots:
+        for slot in self.slots if drafting else []:
             slot.feeder.prepare(run.b, run.cap)
             if hasattr(slot.feeder, "bind_run"):  # a drafter that reads the target's own cache (layer skip)
                 slot.feeder.bind_run(run)
         if self.slots:
             self._use(run, 0)
-        if self.ngram is not None:
+        if drafting and self.ngram is not None:
             run.ngram = [self.ngram.index(run.toks[r, : run.lens[r]].tolist()) for r in range(run.b)]
         if streamer is not None:
             streamer.put(input_ids.cpu())
