@@ -144,7 +144,7 @@ class Runner:
             self.spec._capture(False)
 
     def call(self, prompts: list[str], new_tokens: int, others: list[Runner]) -> None:
-        enc = self.tok(prompts, return_tensors="pt", padding=True)
+        enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.model.device)
         if self.spec is None:
             for other in others:
                 other.quiet()
@@ -162,6 +162,7 @@ class Runner:
             t0 = time.perf_counter()
             with torch.no_grad():
                 seq = self.model.generate(**enc, **kw)
+            sync(self.model)
             self.seconds += time.perf_counter() - t0
             counter.close()
             self.forwards += counter.n
@@ -169,6 +170,7 @@ class Runner:
             t0 = time.perf_counter()
             out = self.spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=new_tokens,
                                      temperature=self.temp, pad_token_id=self.tok.pad_token_id)
+            sync(self.model)
             self.seconds += time.perf_counter() - t0
             self.forwards += out.stats.target_forwards
             self.stats.append(out.stats)
@@ -188,6 +190,12 @@ class Runner:
             self.spec.close()
 
 
+def sync(model: torch.nn.Module) -> None:
+    """On a GPU the clock stops when the device is done, not when the host has queued the work."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
 def assistant(model: torch.nn.Module) -> torch.nn.Module:
     """The shipped draft model as transformers' own assisted-generation baseline."""
     global _ASSISTANT
@@ -205,7 +213,7 @@ def oracle(model, tok, prompts: list[str], batch: int, temp: float, args, drafte
     tau_num = tau_den = 0.0
     try:
         for i in range(0, len(prompts), batch):
-            enc = tok(prompts[i: i + batch], return_tensors="pt", padding=True)
+            enc = tok(prompts[i: i + batch], return_tensors="pt", padding=True).to(model.device)
             res = oracle_bound(spec, enc.input_ids, enc.attention_mask, max_new_tokens=args.new_tokens,
                                temperature=temp, seed=i)
             prefill = res.plain_seconds - (args.new_tokens - 1) * cost.verify(enc.input_ids.shape[0], 1, frozen=True)
@@ -287,12 +295,14 @@ def per_round(stats: list) -> str:
 
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, device=args.device)
     drafter = load_drafter(args.drafter, model)
     sets = load_sets(args.sets)
     cost = CostModel.for_target(model, refresh=not args.cached_cost)  # this machine, now (the cache may be stale)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor() or "?")
+    if model.device.type == "cuda":
+        cpu += f" + {torch.cuda.get_device_name(model.device)}"
     print(f"machine: {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
           f"python {platform.python_version()}")
     print(f"target: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {model.dtype}), "
@@ -336,6 +346,7 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: %(default)s)")
     ap.add_argument("--k", type=int, default=None, help="draft length of the fixed rows and HF prompt lookup, longest "
                     "draft of the scheduled ones (default: 5 fixed and HF, 8 scheduled: the decoder's own defaults)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     ap.add_argument("--model", default="default")
     ap.add_argument("--drafter", default="default")

@@ -174,7 +174,7 @@ def plain_call(spec: SpeculativeDecoder, input_ids: torch.Tensor, attention_mask
     b, new = input_ids.shape[0], seq.shape[1] - input_ids.shape[1]
     emitted = sum(len(through_eos(row, eos_ids)) for row in seq[:, input_ids.shape[1]:].tolist())
     stats = SpecStats(batch=b, rounds=new, target_forwards=new, emitted=emitted, row_rounds=emitted,
-                      plain_rounds=new, delegated=True)
+                      plain_rounds=new, delegated=True, path="plain")
     stats.seconds = stats.verify_s = time.perf_counter() - t0
     return SpecOutput(seq, stats)
 

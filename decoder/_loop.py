@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ._accounting import account
-from ._cost import CostModel
+from ._cost import NGRAM_PATHS, PATHS, CostModel
 from ._eagle import Eagle3Drafter
 from ._feeder import Drafts, Feeder, RoundDrafts
 from ._handover import hand_over, loop_plain, losing, plain_call, plain_round
@@ -157,7 +157,8 @@ class SpeculativeDecoder(ProbeSwitch):
         t0 = time.perf_counter()
         key = self.path_key(input_ids.shape[0], temperature)
         auto = not self.sched.fixed and seed is None and (self.feeder is not None or self.ngram is not None)
-        plain = auto and self.cost.paths.pick(key) == "plain"
+        path = self.cost.paths.pick(key, self._paths(temperature)) if auto else "spec"
+        plain = path == "plain"
         if plain and not loop_plain(temperature, next(self.target.parameters()).device):
             out = plain_call(self, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
                               pad_token_id, streamer)
@@ -165,7 +166,7 @@ class SpeculativeDecoder(ProbeSwitch):
             return out
         # a plain call of a sampled batch: the loop's own plain rounds (`loop_plain`)
         run = self._start(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
-                          streamer, drafting=not plain)
+                          streamer, drafting=not plain, model_drafters=path == "spec")
         if self._packed is not None:
             t_pack = time.perf_counter()
             self._packed.refresh()  # weights changed since the last call are packed again
@@ -176,6 +177,7 @@ class SpeculativeDecoder(ProbeSwitch):
         finally:
             self._capture(False)  # probes publish during this decoder's calls only (see `_capture`)
         run.stats.seconds = time.perf_counter() - t0
+        run.stats.path = path
         if run.streamer is not None:
             run.streamer.end()
         if plain:
@@ -184,8 +186,17 @@ class SpeculativeDecoder(ProbeSwitch):
         elif auto:  # what drafting achieved: a handed-over call counts its speculative part
             tokens, seconds = spec_part or (run.stats.emitted, run.stats.seconds)
             seconds -= run.setup_s
-            self.cost.paths.observe(key, "spec", tokens / max(seconds, 1e-9), tokens)
+            self.cost.paths.observe(key, path, tokens / max(seconds, 1e-9), tokens)
         return SpecOutput(run.sequences(pad_token_id), run.stats)
+
+    def _paths(self, temperature: float) -> tuple[str, ...]:
+        """The paths a call may take (`PathChoice`). A sampled call with a model drafter and n-gram lookup may
+        also run n-gram alone, probes off: at T = 0.8 the model drafter's drafts are rarely accepted (EAGLE-3's
+        first draft 38 % on the default target), and its steps and the probes' capture cost a round ~0.6 ms
+        of ~6 that per-round consults, judged on the drafter's own confidence, did not win back."""
+        if temperature > 0 and self.feeder is not None and self.ngram is not None:
+            return NGRAM_PATHS
+        return PATHS
 
     def _rounds(self, run: Run, auto: bool, t0: float) -> tuple[int, float] | None:
         """Draft, verify and commit until every row is done; (tokens, seconds) of the speculative part if the
@@ -205,7 +216,7 @@ class SpeculativeDecoder(ProbeSwitch):
                     continue
                 hand_over(self, run)
                 return spec_part
-            if self.tree and run.b == 1:
+            if self.tree and run.b == 1 and run.model_drafters:
                 tree_round(self, run)
                 continue
             tr = time.perf_counter()
@@ -224,9 +235,9 @@ class SpeculativeDecoder(ProbeSwitch):
     # --- pieces ---------------------------------------------------------------------------
     def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
                temperature: float, top_k: int | None, top_p: float | None, eos: int | list[int] | None,
-               seed: int | None, streamer: object, drafting: bool = True) -> Run:
+               seed: int | None, streamer: object, drafting: bool = True, model_drafters: bool = True) -> Run:
         """The call's state; with `drafting` False (plain rounds only) no cost curve, drafter buffers or n-gram
-        index are set up."""
+        index are set up, and with `model_drafters` False (n-gram alone) no drafter buffers."""
         check_call(input_ids, max_new_tokens, streamer)
         device = next(self.target.parameters()).device
         eos_ids = eos_list(eos)
@@ -234,6 +245,7 @@ class SpeculativeDecoder(ProbeSwitch):
         run.temperature, run.top_k, run.top_p, run.streamer = temperature, top_k, top_p, streamer
         run.gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         run.drafting, run.handed = drafting, False
+        run.model_drafters = drafting and model_drafters  # False: no model drafter is asked, the probes stay off
         run.mode = "sample" if temperature > 0 else "greedy"
         # A seed reproduces the output: the schedule then depends on nothing timed or learned in earlier calls
         # (priors and the cost curve as loaded); unseeded calls adapt to measured time and keep what they learn.
@@ -262,7 +274,7 @@ class SpeculativeDecoder(ProbeSwitch):
             t_cost = time.perf_counter()
             self.cost.ensure(run.b, k_max, eagle3, off, on)
             run.setup_s = time.perf_counter() - t_cost  # once per model and machine: not what drafting costs a call
-        for slot in self.slots if drafting else []:
+        for slot in self.slots if run.model_drafters else []:
             slot.feeder.prepare(run.b, run.cap)
             if hasattr(slot.feeder, "bind_run"):  # a drafter that reads the target's own cache (layer skip)
                 slot.feeder.bind_run(run)
@@ -277,7 +289,7 @@ class SpeculativeDecoder(ProbeSwitch):
     def _prefill(self, run: Run) -> None:
         tv = time.perf_counter()
         if self.session is not None:  # the drafter wants the prompt's features, unless EAGLE-3 rests anyway
-            self._capture(run.drafting and self._awake(run))
+            self._capture(self._awake(run))
         mask, pos = run.prefill_inputs()
         run.seq_ids = self.session.new_seq_ids(run.b) if self.session is not None else None
         with self._context("prefill", run):
@@ -314,7 +326,7 @@ class SpeculativeDecoder(ProbeSwitch):
         base = run.sched.ngram_prefix(props, match, overlap, fix, run.mode) if run.ngram is not None \
             else [[0.0]] * b  # (every slot's scheduler shares the n-gram calibration)
         ctx = Scheduler.context(base, caps)  # what n-gram offers: whether asking EAGLE-3 pays is learnt per band
-        consult = self.feeder is not None and self._pick(run, ctx)
+        consult = self.feeder is not None and run.model_drafters and self._pick(run, ctx)
         sched, frozen = run.sched, run.seeded
         if not consult and not any(props):  # nothing to weigh: a plain step, without building a plan
             return plain

@@ -35,7 +35,10 @@ class ProbeSwitch:
         return next(i for i, sl in enumerate(self.slots) if sl.feeder is self.feeder)
 
     def _awake(self, run: Run) -> bool:
-        """Keep the probes on unless every model drafter rests long enough for removing them to pay."""
+        """Keep the probes on unless the call asks no model drafter (plain rounds, n-gram alone), or every model
+        drafter rests long enough for removing them to pay."""
+        if not run.model_drafters:
+            return False
         return run.sched.fixed or min(sc.rest for sc in run.scheds) < self._sleep_after(run.b)
 
     def _sleep_after(self, batch: int) -> int:

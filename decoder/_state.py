@@ -33,6 +33,7 @@ class SpecStats:
     plain_rounds: int = 0  # rounds with nothing drafted (a plain step)
     tree_rounds: int = 0  # rounds that verified a draft tree (batch 1 with tree=N)
     by_drafter: dict[str, int] = field(default_factory=dict)  # rounds each model drafter was consulted
+    path: str = "spec"  # what `PathChoice` gave the call: "spec" (every drafter), "ngram" (n-gram alone), "plain"
     delegated: bool = False  # the call ran as plain decoding (drafting measured not to pay): the target's own
     # `generate`, or for a sampled call on CPU the loop's own plain rounds (`_handover.LOOP_PLAIN`)
     handed_over: int = 0  # tokens plain decoding (as for `delegated`) made after the call measured itself losing
@@ -71,7 +72,7 @@ class SpecStats:
         return [a / o if o else 0.0 for a, o in zip(self.accepted_at, self.offered_at, strict=True)]
 
     def as_dict(self) -> dict:
-        keys = ("batch", "rounds", "target_forwards", "emitted", "drafted", "accepted", "eagle_rounds",
+        keys = ("batch", "path", "rounds", "target_forwards", "emitted", "drafted", "accepted", "eagle_rounds",
                 "ngram_rounds", "plain_rounds", "tree_rounds", "seconds", "draft_s", "verify_s", "prefill_s",
                 "handover_s", "bus_s")
         d = {k: getattr(self, k) for k in keys}

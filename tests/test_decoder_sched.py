@@ -184,6 +184,47 @@ def test_calls_where_drafting_does_not_pay_run_as_the_targets_own_generate(tmp_p
     assert weighed.best(key) == "spec"
 
 
+def test_a_sampled_call_may_run_ngram_alone_with_the_probes_off(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Sampled calls of a decoder with EAGLE-3 and n-gram have a third path: n-gram alone, probes off. Each path
+    is measured once, in order; the fastest keeps the calls and the others are re-measured in turn. On that path
+    no model drafter is asked and nothing is captured, and sampling stays the target's: top_k=1 makes it the
+    argmax, so the output must equal greedy `generate`."""
+    monkeypatch.setenv("PROBEBUS_CACHE_DIR", str(tmp_path))
+    choice, key, picks = PathChoice(), (1, "sample", "x"), []
+    paths = ("spec", "ngram", "plain")
+    for _ in range(3 + 3 * PathChoice.FIRST_GAP):
+        path = choice.pick(key, paths)
+        picks.append(path)
+        choice.observe(key, path, {"spec": 100.0, "ngram": 130.0, "plain": 110.0}[path], 96)
+    assert picks[:3] == ["spec", "ngram", "plain"]
+    tried = [p for i, p in enumerate(picks[3:]) if p != "ngram"]
+    assert tried == ["spec", "plain"] and choice.best(key) == "ngram"  # the others in turn, gaps doubling
+
+    model = build("llama", layers=8)
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                              do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    torch.manual_seed(0)
+    eagle = Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model)
+    flat = CostModel("test", {"1": {"verify": [1e-3] * 5, "verify_capturing": [1e-3] * 5, "step": 1e-5}}, adapt=False)
+    with SpeculativeDecoder(model, "auto", eagle=eagle, k=3, cost=flat) as spec:
+        assert spec._paths(0.7) == ("spec", "ngram", "plain") and spec._paths(0.0) == ("spec", "plain")
+        skey = spec.path_key(1, 0.7)
+        for path, rate in (("spec", 100.0), ("ngram", 300.0), ("plain", 110.0)):
+            spec.cost.paths.observe(skey, path, rate, 96)
+        before = spec.session.stats.captured
+        out = spec.generate(ids, max_new_tokens=24, temperature=0.7, top_k=1, pad_token_id=PAD)
+        st = out.stats
+        assert st.path == "ngram" and not st.delegated and torch.equal(out.sequences, want)
+        assert st.eagle_rounds == 0 and not st.by_drafter and st.ngram_rounds > 0 and st.accepted > 0
+        assert spec.session.stats.captured == before  # the probes stayed off
+        assert len(spec.cost.paths.spt[skey]["ngram"]) == 2  # the call was measured on its own path
+        greedy = spec.generate(ids, max_new_tokens=24, pad_token_id=PAD)
+        assert greedy.stats.path == "spec" and torch.equal(greedy.sequences, want)
+        assert spec.session.stats.captured > before
+
+
 def test_asking_eagle_is_learnt_per_band_of_what_ngram_offers() -> None:
     """Consults that lose next to a likely n-gram copy back EAGLE-3 off there only: where n-gram has nothing,
     it is still asked every round. The band is the least any live row expects from its n-gram proposal."""
