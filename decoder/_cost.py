@@ -58,7 +58,7 @@ def _model_key(target: nn.Module) -> str:
 
 
 PATHS = ("spec", "plain")  # every drafter the decoder has, or none (the target's own decoding)
-NGRAM_PATHS = ("spec", "ngram", "plain")  # sampled calls with a model drafter and n-gram: "ngram" = n-gram alone
+NGRAM_PATHS = ("spec", "ngram", "plain")  # sampled batch-1 calls with a model drafter and n-gram: "ngram" alone
 
 
 class PathChoice:
@@ -88,8 +88,8 @@ class PathChoice:
     call) weighed as much as a 96-token one, and the earlier rule handed nearly every later call to
     `generate` (auto 0.92x, tau 1.03) where drafting paid 1.3x.
 
-    A sampled call of a decoder with a model drafter and n-gram lookup has a third path, "ngram": the loop with
-    n-gram drafts alone, probes off (`SpeculativeDecoder._paths`). Each path is measured once, in order, then
+    A sampled batch-1 call of a decoder with a model drafter and n-gram lookup has a third path, "ngram": the
+    loop with n-gram drafts alone, probes off (`SpeculativeDecoder._paths`). Each path is measured once, in order, then
     the best keeps the calls and the others are re-measured in turn. On 24 stdlib prompts at T = 0.8, batch 1,
     n-gram alone ran 1.23x plain where the per-round choice between EAGLE-3 and n-gram ran 1.18x: same tau
     (1.16 vs 1.20), 0.6 ms more a round for EAGLE-3's steps and the probes' capture, which the per-round rule,

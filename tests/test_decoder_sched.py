@@ -209,7 +209,8 @@ def test_a_sampled_call_may_run_ngram_alone_with_the_probes_off(tmp_path: Path, 
     eagle = Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model)
     flat = CostModel("test", {"1": {"verify": [1e-3] * 5, "verify_capturing": [1e-3] * 5, "step": 1e-5}}, adapt=False)
     with SpeculativeDecoder(model, "auto", eagle=eagle, k=3, cost=flat) as spec:
-        assert spec._paths(0.7) == ("spec", "ngram", "plain") and spec._paths(0.0) == ("spec", "plain")
+        assert spec._paths(1, 0.7) == ("spec", "ngram", "plain")
+        assert spec._paths(1, 0.0) == spec._paths(8, 0.7) == ("spec", "plain")
         skey = spec.path_key(1, 0.7)
         for path, rate in (("spec", 100.0), ("ngram", 300.0), ("plain", 110.0)):
             spec.cost.paths.observe(skey, path, rate, 96)
