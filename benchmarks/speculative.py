@@ -6,6 +6,7 @@ bound, per prompt set, batch size and temperature.
     python benchmarks/speculative.py --quick                # smoke run (~2 min)
     python benchmarks/speculative.py --sets prose --batches 1 --temperatures 0
     python benchmarks/speculative.py --methods all --batches 1 --no-oracle   # the per-method table (batch 1)
+    python benchmarks/speculative.py --device cuda --sets stdlib --batches 1 8 --temperatures 0   # on a GPU
 
 Methods (`--methods`, default: plain, HF prompt lookup, n-gram, EAGLE-3, auto): `plain`, `HF prompt lookup`,
 `HF assisted` (transformers' assistant_model with the shipped draft model, batch 1), `n-gram`, `EAGLE-3`,
