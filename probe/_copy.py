@@ -10,7 +10,8 @@ memcpys of a few KiB, no tracker. The common one (every row real, contiguous) is
 its bytes are copied into an arena at once, the model may overwrite them, and the rest
 of its work (shape, identity rows, header) waits for the step's end, where it runs as
 one loop. Between a model's layers every Python operation runs from cold caches, so
-fewer of them in the hook is what counts, not fewer instructions. Large
+fewer of them in the hook is what counts, not fewer instructions. Large captures of
+256 KiB or more with every row are sent from the model's tensor itself (`_borrow.py`); other large
 captures are copied once into the staging ring, behind their header and tokens, and the
 whole slot is sent zero-copy as one frame at the step's end, with the step's other sends (one
 wake-up of ZeroMQ's I/O thread per step, not one per layer); a ring slot is reused only once ZeroMQ has
@@ -40,6 +41,7 @@ import warnings
 import numpy as np
 import torch
 
+from ._borrow import BorrowedCaptures
 from ._bundle import Bundler
 from ._device_copy import DeviceCopies
 from ._held import HeldCaptures
@@ -53,9 +55,11 @@ from ._wire import MAGIC, VERSION, PerSite, encode_envelope, head_struct
 _memmove = ctypes.memmove
 
 
-class CopyPath(HeldCaptures):
-    def __init__(self, publisher: Publisher, *, run: bytes, capacity: int, cuda_device: torch.device | None) -> None:
+class CopyPath(HeldCaptures, BorrowedCaptures):
+    def __init__(self, publisher: Publisher, *, run: bytes, capacity: int, cuda_device: torch.device | None,
+                 borrow: bool = False) -> None:
         self.pub = publisher
+        self._init_borrow(borrow)  # large captures sent from the model's own tensor (`_borrow.py`)
         self.run = run
         self.ring = StagingRing(capacity, pinned=cuda_device is not None)
         self._ring_at = self.ring.array.ctypes.data  # the ring's address: large captures are memmoved into it
@@ -136,6 +140,8 @@ class CopyPath(HeldCaptures):
             self._bundler.entry(key, ident, dtype, hidden, n, tokens, data, nbytes, time.time_ns())
             return
         topic = key.topic
+        if self._try_borrow(key, t, ident, index, dtype, hidden, tokens, nbytes):
+            return
         head = self._head[topic]
         lead = head.size + len(tokens)  # frame 0 up to the payload
         pad = -lead % ALIGN  # the payload starts 64-byte aligned in the ring: a faster copy into it
@@ -186,12 +192,18 @@ class CopyPath(HeldCaptures):
         try:
             while large:
                 topic, frame, nbytes, seq, off = large[0]
-                held = pub.send(topic, None, frame, nbytes=nbytes, seq=seq)
-                ring.release(off, None if held is False else held)
+                if off < 0:  # borrowed: the header frame, then the tensor's own bytes
+                    self._send_borrowed(topic, frame, nbytes, seq)
+                else:
+                    held = pub.send(topic, None, frame, nbytes=nbytes, seq=seq)
+                    ring.release(off, None if held is False else held)
                 large.pop(0)
         finally:
             for item in large:  # a send raised: the rest were not handed over
-                ring.release(item[4])
+                if item[4] < 0:
+                    self._unsend_borrowed(item[2])
+                else:
+                    ring.release(item[4])
                 self.dropped += 1
 
     @staticmethod
@@ -215,6 +227,8 @@ class CopyPath(HeldCaptures):
         """
         if self._held:
             self._pack_held()
+        if self._borrowed:
+            self.return_borrowed()
         if self._large:  # staged before any of the bundler's captures (see `_capture_now`)
             self._send_large()
         bundles = self._bundler.take()

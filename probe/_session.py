@@ -55,6 +55,9 @@ class ProbeStats:
                 held for a later send (no live subscriber; at most a linger old while the model
                 steps, ~50 ms more once it stops: see `max_delay`) and device copies in flight (CUDA); 0 after close
     degraded    `complete` hit `stall_timeout` and stopped blocking on a full subscriber
+    torn        large captures sent from the model's own tensor (`borrow`) that the model wrote into in
+                place before ZeroMQ had sent them: they may mix old and new values (the session copies
+                every capture after the first)
     """
 
     captured: int
@@ -65,6 +68,7 @@ class ProbeStats:
     subscribers: int
     queued: int = 0
     degraded: bool = False
+    torn: int = 0
 
 
 class ProbeSession:
@@ -73,7 +77,7 @@ class ProbeSession:
     def __init__(self, model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None, policy: str,
                  capacity_bytes: int, run: str | None, sndhwm: int | None, allow_remote: bool,
                  curve_secret_key: bytes | str | None, strip_finished: bool, stall_timeout: float | None,
-                 max_delay: float = MAX_DELAY_S, curve_clients: Clients = None) -> None:
+                 max_delay: float = MAX_DELAY_S, curve_clients: Clients = None, borrow: bool = True) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.model = model
@@ -99,7 +103,8 @@ class ProbeSession:
         self.publisher = Publisher(endpoint, run=self.run, policy=policy, sndhwm=sndhwm,
                                    curve_secret_key=curve_secret_key, stall_timeout=stall_timeout,
                                    max_delay=max_delay, curve_clients=clients)
-        self._copy = CopyPath(self.publisher, run=self.run.encode(), capacity=capacity_bytes, cuda_device=cuda)
+        self._copy = CopyPath(self.publisher, run=self.run.encode(), capacity=capacity_bytes, cuda_device=cuda,
+                              borrow=borrow)
         self.ring = self._copy.ring
         stop = stop_tokens(model) if strip_finished else np.empty(0, dtype=np.int64)
         self._hooks = Hooks(model, self.arch, self._copy, self.publisher, stop)
@@ -186,7 +191,7 @@ class ProbeSession:
     def stats(self) -> ProbeStats:
         pub, cp = self.publisher, self._copy
         return ProbeStats(cp.captured, pub.published, cp.dropped + pub.dropped, pub.bytes, pub.stall_seconds,
-                          len(pub.subscribers), cp.queued, pub.degraded)
+                          len(pub.subscribers), cp.queued, pub.degraded, cp.torn)
 
     def add(self, sites: str | Iterable[str]) -> list[str]:
         """Start capturing more sites; returns the concrete names added."""
@@ -295,7 +300,7 @@ def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None
            capacity_bytes: int = 64 << 20, run: str | None = None, sndhwm: int | None = None,
            allow_remote: bool = False, curve_secret_key: bytes | str | None = None, strip_finished: bool = True,
            stall_timeout: float | None = 60.0, max_delay: float = MAX_DELAY_S,
-           curve_clients: Clients = None) -> ProbeSession:
+           curve_clients: Clients = None, borrow: bool = True) -> ProbeSession:
     """Attach probes to `model` and start publishing; use as a context manager.
 
         with probe.attach(model, ["layers.*.resid_post", "logits"]) as s:
@@ -319,11 +324,17 @@ def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None
                     is live (`Subscriber(live=True)`). They wait 200 ms, or longer where the machine
                     makes those wake-ups dear (100x their measured cost), up to this; 0 sends every
                     step at its end.
+    borrow          a large capture (256 KiB or more, every row, contiguous, on the host) is sent from
+                    the model's tensor itself, held until ZeroMQ has sent it (at most capacity_bytes of
+                    them), instead of copied at its hook, as `output_hidden_states` and TransformerLens's
+                    cache keep references. A model that writes into such a tensor in place before the
+                    send is caught by the tensor's version counter: stats.torn, a warning, and every
+                    later capture is copied. False copies every capture at its hook.
     """
     return ProbeSession(model, sites, endpoint=endpoint, policy=policy, capacity_bytes=capacity_bytes, run=run,
                         sndhwm=sndhwm, allow_remote=allow_remote, curve_secret_key=curve_secret_key,
                         strip_finished=strip_finished, stall_timeout=stall_timeout, max_delay=max_delay,
-                        curve_clients=curve_clients)
+                        curve_clients=curve_clients, borrow=borrow)
 
 
 __all__ = ["ProbeSession", "ProbeStats", "attach", "SiteError"]
