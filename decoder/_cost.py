@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from ._compat import cache_kw
 from ._packed import PackedLinears
 
 
@@ -281,11 +282,12 @@ class CostModel:
         weights = PackedLinears.of(target, packed)
         with (context() if context is not None else torch.no_grad(),
               weights.active() if weights is not None else contextlib.nullcontext()):
-            target(ids[:, :ctx_len], cache=cache, use_cache=True)
+            kv = cache_kw(target.forward)
+            target(ids[:, :ctx_len], **{kv: cache}, use_cache=True)
             for _ in range(reps):
                 for length in range(1, k_max + 2):  # interleaved: drift hits every length alike
                     t0 = time.perf_counter()
-                    target(ids[:, ctx_len: ctx_len + length], cache=cache, use_cache=True)
+                    target(ids[:, ctx_len: ctx_len + length], **{kv: cache}, use_cache=True)
                     if p.device.type == "cuda":
                         torch.cuda.synchronize(p.device)
                     times[length - 1].append(time.perf_counter() - t0)

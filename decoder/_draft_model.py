@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from ._chain import draft_chain
+from ._compat import cache_kw
 from ._feeder import Drafts, Feed
 from ._sched import DraftPlan
 
@@ -97,7 +98,7 @@ class DraftModelDrafter:
         self.mask[:, self.cols: self.cols + n] = 1 if valid is None else valid.long()
         self.cols += n
         return self.model(ids.to(self.device), attention_mask=self.mask[:, : self.cols], position_ids=positions,
-                          cache=self.cache, use_cache=True).logits
+                          **{cache_kw(self.model.forward): self.cache}, use_cache=True).logits
 
     def _drop(self, cols: int) -> None:
         if self.cols > cols:
@@ -191,7 +192,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         def forward(tok: torch.Tensor, i: int) -> torch.Tensor:
             mask = torch.cat([prefix, torch.ones(b, len(states) + 1, dtype=prefix.dtype, device=dev)], 1)
             return self.model(tok[:, None].to(dev), attention_mask=mask, position_ids=base + i,
-                              cache=run.cache, use_cache=True).logits[:, -1]
+                              **{cache_kw(self.model.forward): run.cache}, use_cache=True).logits[:, -1]
 
         exit_layer = self.model.model.layers[self.layers - 1]
         hook = exit_layer.register_forward_hook(lambda _m, _a, out: states.append(out[0] if isinstance(out, tuple)
@@ -254,10 +255,10 @@ def _layers(inner: nn.Module, lo: int, hi: int, hidden: torch.Tensor, positions:
     """Run decoder layers lo..hi-1 of a Llama-style `inner` model on `hidden` [B, L, H] at `positions`, with the
     2-D attention mask over layer lo's cache columns plus these L (sized against layer lo: mid-round the kept
     layers hold the draft's columns and the others do not)."""
-    causal = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=mask, cache=cache,
-                                position_ids=positions, layer_idx=lo)
+    causal = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=mask,
+                                **{cache_kw(create_causal_mask): cache}, position_ids=positions, layer_idx=lo)
     rope = inner.rotary_emb(hidden, position_ids=positions)
     for layer in inner.layers[lo:hi]:
-        hidden = layer(hidden, attention_mask=causal, position_embeddings=rope, position_ids=positions, cache=cache,
-                       use_cache=True)
+        hidden = layer(hidden, attention_mask=causal, position_embeddings=rope, position_ids=positions,
+                       **{cache_kw(layer.forward): cache}, use_cache=True)
     return hidden

@@ -95,7 +95,7 @@ class DraftCache:
     def truncate(self, keep_below: torch.Tensor) -> None:
         """Drop every slot at position >= keep_below[b] (per row)."""
         pos = torch.arange(self.valid.shape[1], device=self.valid.device)
-        self.valid &= pos[None, :] < keep_below[:, None]
+        self.valid &= pos[None, :] < keep_below.to(pos.device)[:, None]
 
 
 class Eagle3Layer(nn.Module):
@@ -130,7 +130,7 @@ class Eagle3Layer(nn.Module):
         if self._cos is None or self._cos.shape[0] < need or self._cos.dtype != x.dtype:
             # cos/sin for every position once: per-call trigonometry was a visible share of a draft step
             n = max(need, self.cfg.max_position_embeddings)
-            ang = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq
+            ang = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq
             self._cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
             self._sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [B, 1, S, hd]

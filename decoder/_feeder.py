@@ -170,8 +170,9 @@ class EagleFeeder:
             r = cap.seq_ids - self.seq_base
             pos = tree_positions(cap.positions, remap)
             keep = (pos >= start[r]) & (pos <= end[r])
+            dev = self.feats.device  # captures arrive on the host; a CUDA drafter's features live on its device
             src = cap.tensor[keep]
-            self.feats[r[keep], pos[keep], i * h:(i + 1) * h] = src.to(self.feats.dtype)
+            self.feats[r[keep].to(dev), pos[keep].to(dev), i * h:(i + 1) * h] = src.to(dev, self.feats.dtype)
 
     def _copy_run(self, cap: probe.Capture, s: int, e: int, c0: int, c1: int) -> bool:
         """Batch 1: copy the capture's rows at positions s..e into columns c0:c1 of the features as one slice,

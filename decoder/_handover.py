@@ -86,7 +86,7 @@ def plain_round(spec: SpeculativeDecoder, run: Run) -> None:
     drafts = RoundDrafts(run.no_drafts, [0] * run.b, ["none"] * run.b)
     inp, positions, mask = run.inputs(drafts.tokens)
     with spec._context("verify", run, positions), spec.packed_weights(run.mode == "sample"):
-        logits = spec.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
+        logits = spec.target(inp, attention_mask=mask, position_ids=positions, **{spec.cache_kw: run.cache},
                              use_cache=True).logits
     n_acc, nxt = spec._accept(run, drafts, logits)
     n = sum(len(t) for t in spec._commit(run, drafts, n_acc, nxt))
@@ -139,7 +139,7 @@ def hand_over(spec: SpeculativeDecoder, run: Run) -> None:
     left = [run.max_new - run.emitted[r] for r in rows]
     eos = sorted(run.eos)
     kw = gen_kwargs(spec.target, max(left), run.temperature, run.top_k, run.top_p, eos, eos[0] if eos else None)
-    out = spec.target.generate(ids.to(run.device), attention_mask=mask, cache=run.cache, **kw,
+    out = spec.target.generate(ids.to(run.device), attention_mask=mask, **{spec.cache_kw: run.cache}, **kw,
                                streamer=_AfterPrompt(run.streamer) if run.streamer is not None else None)
     new = out[:, run.cols + 1:].tolist()
     steps = len(new[0]) if new else 0

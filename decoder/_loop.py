@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ._accounting import account
+from ._compat import cache_kw
 from ._cost import NGRAM_PATHS, PATHS, CostModel
 from ._eagle import Eagle3Drafter
 from ._feeder import Drafts, Feeder, RoundDrafts
@@ -62,6 +63,7 @@ class SpeculativeDecoder(ProbeSwitch):
                  tree: int = 0, tree_top_k: int = 4, packed: str = "all", ngram_tree: int = 12) -> None:
         if schedule not in ("auto", "fixed"):
             raise ValueError(f"schedule must be 'auto' or 'fixed', got {schedule!r}")
+        self.cache_kw = cache_kw(target.forward)  # how this transformers release names the KV cache (`_compat.py`)
         if k is None:
             k = FIXED_K if schedule == "fixed" else AUTO_K
         if k < 1:
@@ -296,7 +298,7 @@ class SpeculativeDecoder(ProbeSwitch):
         run.seq_ids = self.session.new_seq_ids(run.b) if self.session is not None else None
         with self._context("prefill", run):
             logits = self.target(run.input_ids.to(run.device), attention_mask=mask, position_ids=pos,
-                                 cache=run.cache, use_cache=True).logits[:, -1]
+                                 **{self.cache_kw: run.cache}, use_cache=True).logits[:, -1]
         first = self._choose(run, logits).tolist()
         run.start(first)
         run.stats.prefill_s += time.perf_counter() - tv
@@ -393,7 +395,7 @@ class SpeculativeDecoder(ProbeSwitch):
         if self.session is not None:  # EAGLE-3 resting for a while: take the probes off the model meanwhile
             self._capture(self._awake(run))
         with self._context("verify", run, positions), self.packed_weights(run.mode == "sample"):
-            return self.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
+            return self.target(inp, attention_mask=mask, position_ids=positions, **{self.cache_kw: run.cache},
                                use_cache=True).logits
 
     def _accept(self, run: Run, drafts: RoundDrafts, logits: torch.Tensor) -> tuple[list[int], list[int]]:

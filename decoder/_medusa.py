@@ -133,7 +133,7 @@ class MedusaFeeder:
             r = cap.seq_ids - self.seq_base
             pos = tree_positions(cap.positions, remap)
             keep = pos == end[r]
-            self.h[r[keep]] = cap.tensor[keep].to(self.h.dtype)
+            self.h[r[keep].to(self.h.device)] = cap.tensor[keep].to(self.h.device, self.h.dtype)  # host -> device
             return
 
     def absorb(self, feeds: list[Feed], toks: torch.Tensor | None = None) -> None:

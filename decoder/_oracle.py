@@ -83,7 +83,7 @@ def oracle_bound(spec, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
                                      ("ngram", ngram, [len(p) for p in props])):
             inp, positions, mask = run.inputs(drafts)
             with spec.session.context(phase="verify", positions=positions, valid=torch.zeros(1, 1, dtype=torch.bool)):
-                logits = spec.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache,
+                logits = spec.target(inp, attention_mask=mask, position_ids=positions, **{spec.cache_kw: run.cache},
                                      use_cache=True).logits
             run.cache.crop(-inp.shape[1])
             kr = torch.tensor(k_rows, device=dev)
@@ -134,7 +134,8 @@ def oracle_bound(spec, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
                 res.row_rounds += 1
         inp, positions, mask = run.inputs(chosen)
         with spec.session.context(phase="verify", positions=positions, valid=torch.ones(1, 1, dtype=torch.bool)):
-            spec.target(inp, attention_mask=mask, position_ids=positions, cache=run.cache, use_cache=True)
+            spec.target(inp, attention_mask=mask, position_ids=positions, **{spec.cache_kw: run.cache},
+                        use_cache=True)
         kept = run.commit([a for _, a in used], nxt, chosen)
         start, end = run.advance()
         run.feeds.append((spec.session.step, start, end))

@@ -63,7 +63,8 @@ def verify_tree(dec, run: Run, tree: Tree) -> tuple[list[list[int]], list[int]]:
     pos = torch.tensor([[last] + [last + d for d in tree.depths]], device=dev)
     mask = tree_attention(run.mask[:, :cols], tree, next(dec.target.parameters()).dtype)
     with dec._context("verify", run, (last + torch.arange(n + 1))[None].to(dev)), dec.packed_weights():
-        logits = dec.target(ids, attention_mask=mask, position_ids=pos, cache=run.cache, use_cache=True).logits[0]
+        logits = dec.target(ids, attention_mask=mask, position_ids=pos, **{dec.cache_kw: run.cache},
+                            use_cache=True).logits[0]
     if run.mode == "greedy":
         path, nxt = verify_tree_greedy(tree, logits)
     else:

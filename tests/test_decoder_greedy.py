@@ -267,3 +267,41 @@ def test_sampled_calls_pack_one_token_forwards_greedy_calls_do_not(monkeypatch) 
         assert not calls  # greedy plain rounds: F.linear
         spec.generate(ids, max_new_tokens=6, temperature=0.7, seed=1)
     assert len(calls) == 5 and all(s[1] == 1 for s in calls)  # the 5 one-token rounds after the prefill's token
+
+
+def test_a_transformers_release_that_names_the_cache_past_key_values() -> None:
+    """transformers renamed a forward's `past_key_values` to `cache`; an older release (5.17 on a GPU host) takes
+    `cache=` into its **kwargs and runs without the cache. A target whose forward declares the old name, and
+    refuses the new one, must still get its cache from every forward of the loop (chains, n-gram trees, EAGLE-3
+    with probes, the cost curve): greedy output equal to plain `generate`."""
+    from transformers import LlamaForCausalLM
+
+    from decoder._compat import cache_kw
+
+    class OldCacheName(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,  # noqa: ANN001, ANN201
+                    inputs_embeds=None, use_cache=None, **kwargs):
+            if "cache" in kwargs:
+                raise TypeError("forward() got an unexpected keyword argument 'cache'")
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   cache=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+
+    model = build("llama", layers=8)
+    ids, mask = left_padded(PROMPTS)
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                              pad_token_id=PAD, eos_token_id=None)
+    one = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    with torch.no_grad():
+        want_one = model.generate(input_ids=one, attention_mask=torch.ones_like(one), max_new_tokens=24,
+                                  do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    model.__class__ = OldCacheName
+    assert cache_kw(model.forward) == "past_key_values" and cache_kw(LlamaForCausalLM.forward) == "cache"
+    for name, drafter in _drafters(model).items():
+        if drafter is None:
+            continue
+        with SpeculativeDecoder(model, drafter, k=3) as spec:
+            out = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
+            assert_same_or_near_tie(model, out.sequences, want, mask)
+            tree = spec.generate(one, max_new_tokens=24, pad_token_id=PAD)  # batch 1: n-gram trees in auto
+            assert torch.equal(tree.sequences, want_one), name
