@@ -9,6 +9,13 @@ Training-time test: step j > 0 replaces f_t by the drafter's own output from ste
 at t-1 (exactly what inference feeds back), and a query of step j attends to the real
 keys up to its chain's start t-j plus the chain's own keys, one per earlier step.
 Losses are weighted `decay**j`. The draft vocabulary is the most frequent recorded tokens.
+
+With `TrainConfig(soft=True)` the recording must also hold the target's `final_norm` output, and
+each position's target is the target's whole next-token distribution over the draft vocabulary
+(its LM head applied to that output, softmax over the draft ids) instead of the one recorded
+token: EAGLE's own training objective. A drafter that matches p, not only p's argmax, has more of
+its sampled drafts accepted at T > 0 (acceptance is the overlap sum min(p, q)); and a recording of
+sampled continuations then teaches it on the contexts sampling produces.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class TrainConfig:
     save_every: int = 250
     holdout: float = 0.05  # share of recorded sequences kept out of training for held-out acceptance
     eval_k: int = 5
+    soft: bool = False  # targets: the target's distribution (needs `final_norm` recorded), not the recorded token
 
 
 def load_sequences(recording: str | Path, aux_layer_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -127,14 +135,21 @@ def ttt_chain(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, f
 
 
 def ttt_loss(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, feats: torch.Tensor,
-             targets: torch.Tensor, cfg: TrainConfig) -> tuple[torch.Tensor, list[float]]:
-    """toks [B, L+2], feats [B, L, 3H], targets [B, L] draft ids (-100 = not in the draft vocab)."""
+             targets: torch.Tensor, cfg: TrainConfig,
+             soft: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+    """toks [B, L+2], feats [B, L, 3H], targets [B, L] draft ids (-100 = not in the draft vocab); soft [B, L, V_draft]
+    the target's distribution over the draft vocabulary at each position (`TrainConfig.soft`), the loss's target
+    where given (accuracy stays against `targets`)."""
     accs = []
     total = feats.new_zeros(())
     for j, _, _, logits in ttt_chain(drafter, embed, toks, feats, cfg.ttt_steps):
         tgt = targets.clone()
         tgt[:, :j] = -100  # no chain can start before position 0
-        total = total + cfg.decay ** j * F.cross_entropy(logits.transpose(1, 2), tgt, ignore_index=-100)
+        if soft is not None:  # cross-entropy against p: the KL to p, up to p's own entropy
+            ce = -(soft[:, j:] * F.log_softmax(logits[:, j:].float(), -1)).sum(-1).mean()
+        else:
+            ce = F.cross_entropy(logits.transpose(1, 2), tgt, ignore_index=-100)
+        total = total + cfg.decay ** j * ce
         ok = tgt != -100
         accs.append(float((logits.argmax(-1)[ok] == tgt[ok]).float().mean()) if ok.any() else 0.0)
     return total, accs
@@ -152,24 +167,32 @@ def windows(n: int, window: int) -> Iterator[tuple[int, int]]:
 
 @torch.no_grad()
 def heldout_acceptance(drafter: Eagle3Drafter, embed: nn.Embedding, seqs: list[tuple[torch.Tensor, torch.Tensor]],
-                       k: int = 5, window: int = 128) -> dict:
+                       k: int = 5, window: int = 128, head: nn.Module | None = None) -> dict:
     """Acceptance by draft position on held-out sequences: the share of chains whose first i+1 drafts all
-    equal the recorded tokens (the target's greedy continuation where the recording is its own output)."""
+    equal the target's greedy token. That is the recorded token where the recording is the target's greedy
+    output; where the features also carry the target's `final_norm` (a soft-target recording, sampled
+    continuations included), it is the argmax of `head` over it."""
     d2t = drafter.draft_to_target_ids()
     hits = torch.zeros(k, device=d2t.device)
     chains = 0
     dev = d2t.device
+    width = len(drafter.config.aux_layer_ids) * drafter.config.target_hidden_size if head is not None else 0
     for toks, feats in seqs:
         toks, feats = toks.to(dev), feats.to(dev)
+        labels = toks
+        if head is not None and feats.shape[-1] > width:  # the target's final norm: its greedy tokens
+            labels = torch.cat([toks[:1], head(feats[:, width:]).argmax(-1)])  # labels[t + 1] = argmax at t
+            feats = feats[:, :width]
         for s, length in windows(len(toks), window):
             t_win = toks[s: s + length + 2][None]
+            l_win = labels[s: s + length + 2]
             alive = torch.ones(length, dtype=torch.bool, device=dev)
             chains += length
             for j, _, _, logits in ttt_chain(drafter, embed, t_win, feats[s: s + length][None], k):
                 if j >= length:
                     break
                 pos = torch.arange(j, length, device=dev)
-                hit = d2t[logits[0, pos].argmax(-1)] == t_win[0, pos + 2]
+                hit = d2t[logits[0, pos].argmax(-1)] == l_win[pos + 2]
                 nxt = torch.zeros_like(alive)
                 nxt[pos - j] = alive[pos - j] & hit
                 alive = nxt
@@ -179,16 +202,19 @@ def heldout_acceptance(drafter: Eagle3Drafter, embed: nn.Embedding, seqs: list[t
             "tau": round(1 + sum(acc), 3)}
 
 
-def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg: TrainConfig | None = None, *,
-                  aux_layer_ids: list[int] | None = None, resume: bool = True, progress: bool = True,
+def train_drafter(target: nn.Module, recording: str | Path | list, out: str | Path, cfg: TrainConfig | None = None,
+                  *, aux_layer_ids: list[int] | None = None, resume: bool = True, progress: bool = True,
                   target_name: str = "") -> dict:
-    """Train and save (speculators layout) a drafter for `target`; returns final metrics."""
+    """Train and save (speculators layout) a drafter for `target` from one recording or several; returns final
+    metrics."""
     cfg = cfg or TrainConfig()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     dcfg = Eagle3Config.for_target(target.config, aux_layer_ids=aux_layer_ids)
-    seqs = load_sequences(recording, dcfg.aux_layer_ids)
+    sites = [f"layers.{i}.resid_pre" for i in dcfg.aux_layer_ids] + (["final_norm"] if cfg.soft else [])
+    seqs = [s for rec in (recording if isinstance(recording, list) else [recording])
+            for s in load_site_sequences(rec, sites)]
     seqs = [s for s in seqs if len(s[0]) >= 8]
     if not seqs:
         raise ValueError(f"{recording}: no complete sequence of at least 8 tokens")
@@ -209,6 +235,8 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
     drafter.to(dev)
     to_draft = to_draft.to(dev)
     embed = target.get_input_embeddings()
+    width = len(dcfg.aux_layer_ids) * dcfg.target_hidden_size
+    head = _draft_head(target, ids.to(dev)) if cfg.soft else None
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0)
     state_file = out / "train_state.pt"
     start = 0
@@ -232,7 +260,12 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
             g["lr"] = lr
         toks, feats = _batch(pool, cfg.batch, window, gen)
         toks, feats = toks.to(dev), feats.to(dev)
-        loss, accs = ttt_loss(drafter, embed, toks, feats, to_draft[toks[:, 2: window + 2]], cfg)
+        soft = None
+        if head is not None:  # position t's target: the target's distribution after t + 1 (its final norm there)
+            with torch.no_grad():
+                soft = F.softmax(head(feats[:, 1:, width:]).float(), -1)
+        loss, accs = ttt_loss(drafter, embed, toks, feats[:, :window, :width], to_draft[toks[:, 2: window + 2]], cfg,
+                              soft)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -249,19 +282,34 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
     drafter.eval()
     if heldout:
         drafter.bind_target(target)
-        metrics["heldout"] = heldout_acceptance(drafter, embed, heldout, cfg.eval_k, window)
+        metrics["heldout"] = heldout_acceptance(drafter, embed, heldout, cfg.eval_k, window,
+                                                head=target.get_output_embeddings())
     save_drafter(drafter, out, target_name=target_name)
     return metrics
 
 
 def _batch(pool: list, batch: int, window: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token windows [B, window + 2] and their features [B, window + 1, ...] (the last row is read only by soft
+    targets: the target's final norm one position on)."""
     toks, feats = [], []
     for i in torch.randint(len(pool), (batch,), generator=gen).tolist():
         t, f = pool[i]
         s = int(torch.randint(len(t) - window - 1, (1,), generator=gen))
         toks.append(t[s: s + window + 2])
-        feats.append(f[s: s + window])
+        feats.append(f[s: s + window + 1])
     return torch.stack(toks), torch.stack(feats)
+
+
+def _draft_head(target: nn.Module, ids: torch.Tensor) -> nn.Linear:
+    """The target's LM head cut to the draft vocabulary: its logits over the draft ids, whose softmax is the
+    soft target (EAGLE's: the target's p renormalised over the draft vocabulary)."""
+    full = target.get_output_embeddings()
+    head = nn.Linear(full.in_features, len(ids), bias=full.bias is not None).to(full.weight.device)
+    with torch.no_grad():
+        head.weight.copy_(full.weight[ids])
+        if full.bias is not None:
+            head.bias.copy_(full.bias[ids])
+    return head.requires_grad_(False)
 
 
 class _Bar:

@@ -301,7 +301,7 @@ def _train_mtp_attn(target: nn.Module, recording: str | Path, out: str | Path, c
 
     def loss_fn(idx: torch.Tensor):  # noqa: ANN202 - idx: how many windows this step draws, from `gen`
         toks, feats = _batch(pool, cfg.sequences, window, gen)
-        return ttt_loss(drafter, embed, toks, feats.float(), toks[:, 2: window + 2], ttt)
+        return ttt_loss(drafter, embed, toks, feats[:, :window].float(), toks[:, 2: window + 2], ttt)
 
     metrics = {"sequences": len(pool), "window": window, "heldout_sequences": len(held)}
     metrics.update(_fit(drafter, loss_fn, 1, cfg, out, key="head", name="train-mtp", resume=resume,

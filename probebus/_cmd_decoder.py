@@ -100,6 +100,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
     t.add_argument("--holdout", type=float, default=0.05, help="share of sequences held out for the acceptance "
                    "report (default: %(default)s)")
+    t.add_argument("--soft", action="store_true", help="eagle3: train against the target's whole next-token "
+                   "distribution (EAGLE's objective; record final_norm with the feature sites) instead of the "
+                   "recorded tokens: more of its sampled drafts are accepted")
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a training state")
     t.set_defaults(func=_cmd_train)
 
@@ -307,7 +310,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.method != "eagle3":
         return _train_other(args, model, rec)
     cfg = TrainConfig(steps=args.steps, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, window=args.window,
-                      batch=args.batch, lr=args.lr, holdout=args.holdout)
+                      batch=args.batch, lr=args.lr, holdout=args.holdout, soft=args.soft)
     try:
         metrics = train_drafter(model, rec, args.out, cfg, resume=not args.no_resume, target_name=args.model,
                                 progress=sys.stderr.isatty())

@@ -123,3 +123,47 @@ def test_record_final_norm_then_every_head_method_on_the_command_line(tmp_path: 
     assert main(["generate", "--model", target, "--drafter", str(tmp_path / "mtp"), "--tree", "8", "--prompt", "x",
                  "--max-new-tokens", "4"]) == 2
     assert "tree drafts need EAGLE-3 or Medusa" in capsys.readouterr().err
+
+
+def test_soft_targets_are_the_targets_distribution_and_bring_q_closer_to_p(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """`train-drafter --soft` on a recording with final_norm: each position's target is the target's own next-token
+    distribution over the draft vocabulary (checked against transformers' logits of the whole sequence), and a
+    drafter trained on it matches p better than one trained on the recorded tokens for as many steps (the
+    overlap sum min(p, q) is what a sampled draft's acceptance is)."""
+    from decoder._train import _draft_head, ttt_chain
+
+    model = _target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def h{i}(z):\n    return z - {i}\n"}) + "\n" for i in range(12)))
+    target = str(tmp_path / "target")
+    sites = "layers.2.resid_pre,layers.4.resid_pre,layers.5.resid_pre,final_norm"
+    assert main(["record", "--model", target, "--prompts", str(prompts), "--sites", sites, "--out",
+                 str(tmp_path / "rec"), "--max-new-tokens", "24", "--batch-size", "6"]) == 0
+    from decoder import load_site_sequences
+
+    seqs = load_site_sequences(tmp_path / "rec", sites.split(","))
+    toks, feats = seqs[0]
+    ids = torch.arange(0, 256)
+    with torch.no_grad():
+        oracle = model(toks[None]).logits[0][:, ids].softmax(-1)
+        ours = _draft_head(model, ids)(feats[:, 3 * 64:]).softmax(-1)
+    torch.testing.assert_close(ours, oracle, atol=1e-4, rtol=1e-3)
+
+    args = ["train-drafter", "--model", target, "--recording", str(tmp_path / "rec"), "--window", "16", "--batch",
+            "4", "--draft-vocab", "256", "--steps", "40", "--lr", "0.01"]
+    assert main(args + ["--out", str(tmp_path / "soft"), "--soft"]) == 0
+    assert main(args + ["--out", str(tmp_path / "hard")]) == 0
+    capsys.readouterr()
+
+    def overlap(folder: Path) -> float:
+        drafter = load_drafter(folder, model)
+        head, got = _draft_head(model, drafter.draft_to_target_ids()), []
+        with torch.no_grad():
+            for t, f in seqs:
+                _, _, _, logits = next(ttt_chain(drafter, model.get_input_embeddings(), t[None], f[None, :-2, :192], 1))
+                p = head(f[None, 1:-1, 192:]).softmax(-1)  # the target's distribution at each drafted position
+                got.append(torch.minimum(p, logits.softmax(-1)).sum(-1).mean())
+        return float(torch.stack(got).mean())
+
+    soft, hard = overlap(tmp_path / "soft"), overlap(tmp_path / "hard")
+    assert soft > hard + 0.05, (soft, hard)

@@ -7,12 +7,14 @@ Run it after every retrain of the default model: a drafter is trained on its tar
 It overwrites only the drafter's own files in the output folder (config.json,
 model.safetensors, eval.json, README.md); other files there are left alone.
 
-1. Record the target's own greedy continuations of training-split prompts with probes on
-   the three feature sites (the same path as `probebus record`: probe.attach +
+1. Record the target's own continuations of training-split prompts, greedy and (with
+   --sampled-prompts) sampled at --temperature, with probes on the three feature sites and the
+   target's final norm (the same path as `probebus record`: probe.attach +
    exporters.ArrowRecorder), into a temporary folder (not committed).
-2. Train with `decoder.train_drafter` (what `probebus train-drafter` runs).
-3. Measure tau and tokens per forward on held-out prompts (and, with --compare, the same for
-   another drafter folder on the same target); write eval.json and the model card README.md.
+2. Train with `decoder.train_drafter` (what `probebus train-drafter` runs), against the target's
+   whole next-token distribution (`TrainConfig(soft=True)`; --hard trains on the recorded tokens).
+3. Measure tau and tokens per forward on held-out prompts, greedy and sampled (and, with --compare,
+   the same for another drafter folder on the same target); write eval.json and the model card.
 """
 
 from __future__ import annotations
@@ -35,30 +37,44 @@ from probebus.models import DEFAULT_MODEL_DIR
 OUT = Path(__file__).resolve().parents[1] / "probebus" / "models" / "default-drafter"
 
 
-def record(model, tok, prompts: list[str], folder: Path, new_tokens: int, batch: int) -> dict:  # noqa: ANN001
+def record(model, tok, prompts: list[str], folder: Path, new_tokens: int, batch: int, soft: bool,  # noqa: ANN001
+           sampled: list[str], temperature: float) -> dict:
     sites = [f"layers.{i}.resid_pre" for i in Eagle3Config.for_target(model.config).aux_layer_ids]
+    sites += ["final_norm"] if soft else []
+    torch.manual_seed(0)
     with probe.attach(model, sites) as session, exporters.ArrowRecorder(session, folder) as rec:
-        for i in range(0, len(prompts), batch):
-            enc = tok(prompts[i: i + batch], return_tensors="pt", padding=True)
-            with torch.no_grad():
-                model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-            print(f"recorded {min(i + batch, len(prompts))}/{len(prompts)} prompts", flush=True)
+        for kind, group in (("greedy", prompts), (f"T={temperature}", sampled)):
+            for i in range(0, len(group), batch):
+                enc = tok(group[i: i + batch], return_tensors="pt", padding=True)
+                how = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if kind != "greedy" \
+                    else dict(do_sample=False)
+                with torch.no_grad():
+                    model.generate(**enc, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id, **how)
+                print(f"recorded {min(i + batch, len(group))}/{len(group)} prompts ({kind})", flush=True)
     return {"rows": rec.summary.rows if rec.summary else None, "sites": sites, "prompts": len(prompts),
-            "new_tokens": new_tokens}
+            "sampled_prompts": len(sampled), "temperature": temperature, "new_tokens": new_tokens}
 
 
-def evaluate(model, tok, drafter, prompts: list[str], new_tokens: int, k: int) -> dict:  # noqa: ANN001
+def evaluate(model, tok, drafter, prompts: list[str], new_tokens: int, k: int,  # noqa: ANN001
+             temperature: float = 0.0) -> dict:
     taus, fwd, emitted = [], 0, 0
     with SpeculativeDecoder(model, drafter, k=k) as spec:
-        for p in prompts:
+        for i, p in enumerate(prompts):
             enc = tok([p], return_tensors="pt")
-            out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=new_tokens)
+            out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=new_tokens,
+                                temperature=temperature, seed=i if temperature > 0 else None)
             taus.append((out.stats.tau, out.stats.row_rounds))
             fwd += out.stats.target_forwards
             emitted += out.stats.emitted
     tau = sum(t * r for t, r in taus) / sum(r for _, r in taus)
     return {"tau": round(tau, 3), "tokens_per_forward": round(emitted / fwd, 3), "prompts": len(prompts),
-            "new_tokens": new_tokens, "k": k}
+            "new_tokens": new_tokens, "k": k, "temperature": temperature}
+
+
+def evaluate_both(model, tok, drafter, temperature: float) -> dict:  # noqa: ANN001
+    prompts = code_prompts("heldout", 16)
+    return {"greedy": evaluate(model, tok, drafter, prompts, 64, 5),
+            "sampled": evaluate(model, tok, drafter, prompts, 64, 5, temperature)}
 
 
 def main() -> None:
@@ -69,6 +85,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--window", type=int, default=96)
     ap.add_argument("--draft-vocab", type=int, default=2048)
+    ap.add_argument("--sampled-prompts", type=int, default=1800,
+                    help="training-split prompts also recorded with sampled continuations (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.8, help="for the sampled continuations and evaluation")
+    ap.add_argument("--hard", action="store_true", help="train on the recorded tokens, not the target's distribution")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--recording", type=Path, default=None, help="reuse an existing recording")
@@ -85,22 +105,24 @@ def main() -> None:
         prm.requires_grad_(False)
     t0 = time.time()
     folder = args.recording or Path(tempfile.mkdtemp(prefix="probebus-drafter-rec-"))
-    rec = {"reused": str(folder)} if args.recording else record(model, tok, code_prompts("train", args.prompts),
-                                                                  folder, args.new_tokens, 16)
+    rec = {"reused": str(folder)} if args.recording else record(
+        model, tok, code_prompts("train", args.prompts), folder, args.new_tokens, 16, not args.hard,
+        code_prompts("train", args.sampled_prompts, seed=2), args.temperature)
     t_rec = time.time() - t0
-    cfg = TrainConfig(steps=args.steps, batch=args.batch, draft_vocab=args.draft_vocab, window=args.window)
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, draft_vocab=args.draft_vocab, window=args.window,
+                      soft=not args.hard)
     metrics = train_drafter(model, folder, args.out, cfg, resume=False, target_name="default")
     (args.out / "train_state.pt").unlink(missing_ok=True)  # resumability is for interrupted runs, not shipping
     drafter = load_drafter(args.out, model)
-    ev = evaluate(model, tok, drafter, code_prompts("heldout", 16), 64, 5)
+    ev = evaluate_both(model, tok, drafter, args.temperature)
     card = {"recording": rec, "record_seconds": round(t_rec), "train": {k: metrics[k] for k in
             ("sequences", "heldout_sequences", "tokens", "step", "loss", "acc", "seconds", "heldout")
             if k in metrics}, "train_config": cfg.__dict__,
             "heldout_eval": ev}
     if args.compare:
         try:
-            card["compare"] = {"path": str(args.compare), "heldout_eval": evaluate(
-                model, tok, load_drafter(args.compare, model), code_prompts("heldout", 16), 64, 5)}
+            card["compare"] = {"path": str(args.compare), "heldout_eval": evaluate_both(
+                model, tok, load_drafter(args.compare, model), args.temperature)}
         except Exception as exc:  # noqa: BLE001 - a comparison must not lose the trained drafter
             card["compare"] = {"path": str(args.compare), "error": f"{type(exc).__name__}: {exc}"}
     card["target"] = target_summary()
@@ -123,12 +145,17 @@ def write_card(out: Path, card: dict) -> None:
     """README.md of the drafter folder, from the numbers in eval.json."""
     cfg = json.loads((out / "config.json").read_text())
     layer = cfg["transformer_layer_config"]
-    tr, ev, tc, tgt = card["train"], card["heldout_eval"], card["train_config"], card["target"]
+    tr, ev, tc, tgt = card["train"], card["heldout_eval"]["greedy"], card["train_config"], card["target"]
+    sev = card["heldout_eval"]["sampled"]
     rec = card["recording"]
     comp = card.get("compare", {}).get("heldout_eval")
-    comp_line = (f"\n   For comparison, the drafter shipped before this one (trained for the previous target; "
-                 f"`--compare`) on this target and the same prompts: tau = {comp['tau']:.2f}, "
-                 f"{comp['tokens_per_forward']:.2f} tokens per target forward." if comp else "")
+    comp_line = (f"\n   For comparison, the drafter shipped before this one (`--compare`) on this target and the same "
+                 f"prompts: tau = {comp['greedy']['tau']:.2f} greedy, {comp['sampled']['tau']:.2f} at T = "
+                 f"{comp['sampled']['temperature']:g}." if comp else "")
+    objective = ("the target's whole next-token distribution over the draft vocabulary (soft targets, EAGLE's "
+                 "objective, from its final norm recorded alongside)" if tc.get("soft") else "the recorded tokens")
+    sampled = (f", and {rec['sampled_prompts']} more continuations sampled at T = {rec['temperature']:g}"
+               if rec.get("sampled_prompts") else "")
     hold = tr.get("heldout")
     hold_line = (f"\n   On the {hold['sequences']} recorded sequences `train_drafter` holds out (training-split "
                  f"prompts): acceptance by draft position {' / '.join(f'{a:.2f}' for a in hold['acceptance'])}, "
@@ -159,17 +186,18 @@ greedy degeneracy {tgt["degeneracy"]:.3f} against {tgt["degeneracy_reference"]:.
 see `../default/README.md`). Retrain this drafter whenever the target changes.
 
 1. Recording: {rec.get("prompts", "?")} training-split prompts (stdlib files never held out, see
-   `../default/splits.json`), the target's own greedy continuations of {rec.get("new_tokens", "?")} tokens,
+   `../default/splits.json`), the target's own greedy continuations of {rec.get("new_tokens", "?")} tokens{sampled},
    features recorded by `probe.attach` + `exporters.ArrowRecorder` (the path
    `probebus record` uses): {rec.get("rows") or 0:,} rows, {tr["tokens"]:,} tokens, {card["record_seconds"]} s.
-2. Training (`decoder.train_drafter`, what `probebus train-drafter` runs): {tc["steps"]:,}
+2. Training (`decoder.train_drafter`, what `probebus train-drafter` runs) against {objective}: {tc["steps"]:,}
    steps, batch {tc["batch"]} windows of {tc["window"]} tokens, AdamW lr {tc["lr"]:g} ({tc["warmup"]} warm-up
    steps, cosine), training-time test with {tc["ttt_steps"]} unrolled steps weighted {tc["decay"]}^j, seed
    {tc["seed"]}: {tr["seconds"]:.0f} s on the 2-core machine (shared with other work). Final loss
    {tr["loss"]:.2f}; top-1 accuracy per unrolled step {acc}.
 3. Held-out evaluation ({ev["prompts"]} held-out prompts, {ev["new_tokens"]} new tokens, k = {ev["k"]},
    greedy): tau = {ev["tau"]:.2f} tokens per verification round, {ev["tokens_per_forward"]:.2f} tokens
-   per target forward (`eval.json`).{comp_line}{hold_line}
+   per target forward; sampled at T = {sev["temperature"]:g}: tau = {sev["tau"]:.2f}
+   (`eval.json`).{comp_line}{hold_line}
 
 Whole script: {card["wall_seconds"] / 60:.0f} min wall time.
 
