@@ -83,8 +83,10 @@ ALL = ["plain", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3", "EAGLE-3
        "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several"]
 # A/B runs, named, never in 'all': the packed weights (LM head only, none), and n-gram trees (decoder/_ngram_tree.py)
 AB = ["n-gram, packed=head", "auto, packed=head", "n-gram, packed=none", "auto, packed=none", "n-gram tree",
-       "n-gram scheduled", "auto, chains", "loop, no drafter"]  # the last: the loop's own plain steps, no drafting
+       "n-gram scheduled", "auto, chains", "loop, no drafter",  # the loop's own plain steps, no drafting
+       "auto, other drafter", "EAGLE-3, other drafter"]  # the drafter of --other-drafter (an A/B of two heads)
 DEFAULT = ["plain", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
+OTHER: dict = {}  # "drafter": the head --other-drafter names, loaded once
 BASELINES = ("plain", "HF prompt lookup", "HF assisted")  # no probe attached, the target's own generate
 BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only
 
@@ -104,6 +106,8 @@ def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr:
         # other methods is measured by whichever calls first, and a first call that measures looks slow.
         spec.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, seed=0)
         return spec
+    if name.endswith(", other drafter"):  # the same decoder as the named row with --other-drafter's head
+        return make(name.split(",")[0], model, OTHER["drafter"], cost, k, remote_addr)
     if name == "loop, no drafter":  # what the loop's own steps are worth against `generate`, nothing drafted
         return SpeculativeDecoder(model, None, cost=cost)
     if name == "n-gram":
@@ -298,6 +302,8 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, device=args.device)
     drafter = load_drafter(args.drafter, model)
+    if args.other_drafter:
+        OTHER["drafter"] = load_drafter(args.other_drafter, model)
     sets = load_sets(args.sets)
     cost = CostModel.for_target(model, refresh=not args.cached_cost)  # this machine, now (the cache may be stale)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
@@ -351,6 +357,8 @@ if __name__ == "__main__":
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     ap.add_argument("--model", default="default")
     ap.add_argument("--drafter", default="default")
+    ap.add_argument("--other-drafter", default=None, metavar="DIR", help="a second EAGLE-3 head for the rows "
+                    "'auto, other drafter' and 'EAGLE-3, other drafter' (e.g. the one shipped before a retrain)")
     ap.add_argument("--methods", nargs="+", default=DEFAULT, help="methods to run, or 'all' (default: %(default)s)")
     ap.add_argument("--remote", action="store_true", help="add EAGLE-3 with the drafter in another process")
     ap.add_argument("--no-oracle", action="store_true", help="skip the oracle bound (it costs 3 forwards a round)")
@@ -361,6 +369,8 @@ if __name__ == "__main__":
     unknown = [m for m in a.methods if m not in ALL + AB]
     if unknown:
         ap.error(f"unknown methods {unknown}; choose from {ALL + AB} or 'all'")
+    if any(m.endswith(", other drafter") for m in a.methods) and not a.other_drafter:
+        ap.error("the 'other drafter' rows need --other-drafter DIR")
     if a.quick:
         a.prompts, a.new_tokens, a.repeats, a.batches = 4, 24, 1, [1, 4]
     sys.exit(main(a))

@@ -149,16 +149,20 @@ def write_card(out: Path, card: dict) -> None:
     sev = card["heldout_eval"]["sampled"]
     rec = card["recording"]
     comp = card.get("compare", {}).get("heldout_eval")
-    comp_line = (f"\n   For comparison, the drafter shipped before this one (`--compare`) on this target and the same "
-                 f"prompts: tau = {comp['greedy']['tau']:.2f} greedy, {comp['sampled']['tau']:.2f} at T = "
+    comp_line = (f"\n   For comparison, the drafter shipped before this one (`--compare`) on this target and "
+                 f"the\n   same prompts: tau = {comp['greedy']['tau']:.2f} greedy, {comp['sampled']['tau']:.2f} at T = "
                  f"{comp['sampled']['temperature']:g}." if comp else "")
-    objective = ("the target's whole next-token distribution over the draft vocabulary (soft targets, EAGLE's "
-                 "objective, from its final norm recorded alongside)" if tc.get("soft") else "the recorded tokens")
-    sampled = (f", and {rec['sampled_prompts']} more continuations sampled at T = {rec['temperature']:g}"
+    objective = ("the target's whole next-token distribution p over the draft vocabulary\n   (soft targets, "
+                 "EAGLE's objective, from its final norm recorded alongside)") if tc.get("soft") \
+        else "the recorded tokens"
+    sampled = (f",\n   and {rec['sampled_prompts']} more sampled at T = {rec['temperature']:g}"
                if rec.get("sampled_prompts") else "")
+    loss_note = " (the cross-entropy to p: p's own entropy included)" if tc.get("soft") else ""
+    acc_note = (" against the recorded tokens, the sampled ones included" if rec.get("sampled_prompts") else "")
     hold = tr.get("heldout")
     hold_line = (f"\n   On the {hold['sequences']} recorded sequences `train_drafter` holds out (training-split "
-                 f"prompts): acceptance by draft position {' / '.join(f'{a:.2f}' for a in hold['acceptance'])}, "
+                 f"prompts),\n   drafts equal to the target's greedy token: acceptance by draft position "
+                 f"{' / '.join(f'{a:.2f}' for a in hold['acceptance'])}, "
                  f"tau {hold['tau']:.2f}." if hold else "")
     command = "nice -n 10 python training/train_default_drafter.py" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in card.get("non_default_args", {}).items())
@@ -189,11 +193,12 @@ see `../default/README.md`). Retrain this drafter whenever the target changes.
    `../default/splits.json`), the target's own greedy continuations of {rec.get("new_tokens", "?")} tokens{sampled},
    features recorded by `probe.attach` + `exporters.ArrowRecorder` (the path
    `probebus record` uses): {rec.get("rows") or 0:,} rows, {tr["tokens"]:,} tokens, {card["record_seconds"]} s.
-2. Training (`decoder.train_drafter`, what `probebus train-drafter` runs) against {objective}: {tc["steps"]:,}
-   steps, batch {tc["batch"]} windows of {tc["window"]} tokens, AdamW lr {tc["lr"]:g} ({tc["warmup"]} warm-up
-   steps, cosine), training-time test with {tc["ttt_steps"]} unrolled steps weighted {tc["decay"]}^j, seed
+2. Training (`decoder.train_drafter`, what `probebus train-drafter` runs) against
+   {objective}: {tc["steps"]:,} steps, batch {tc["batch"]} windows of {tc["window"]} tokens,
+   AdamW lr {tc["lr"]:g} ({tc["warmup"]} warm-up steps, cosine), training-time test with
+   {tc["ttt_steps"]} unrolled steps weighted {tc["decay"]}^j, seed
    {tc["seed"]}: {tr["seconds"]:.0f} s on the 2-core machine (shared with other work). Final loss
-   {tr["loss"]:.2f}; top-1 accuracy per unrolled step {acc}.
+   {tr["loss"]:.2f}{loss_note}; top-1 accuracy per unrolled step {acc}{acc_note}.
 3. Held-out evaluation ({ev["prompts"]} held-out prompts, {ev["new_tokens"]} new tokens, k = {ev["k"]},
    greedy): tau = {ev["tau"]:.2f} tokens per verification round, {ev["tokens_per_forward"]:.2f} tokens
    per target forward; sampled at T = {sev["temperature"]:g}: tau = {sev["tau"]:.2f}
