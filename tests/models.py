@@ -57,3 +57,37 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     return ids, mask
+
+
+def oracle_activations(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every site's activation for the batch `ids`, with no probe attached: resid_pre / resid_post, final_norm and
+    logits from transformers' `output_hidden_states`, each layer's sub-layer outputs and the last layer's
+    resid_post (hidden_states has it normed) from plain forward hooks that clone at once. resid_mid is left out."""
+    import probe
+
+    arch = probe.resolve_arch(model)
+    got: dict[str, torch.Tensor] = {}
+
+    def keeper(key: str):  # noqa: ANN202
+        def keep(mod, args, out) -> None:  # noqa: ANN001
+            got[key] = (out[0] if isinstance(out, tuple) else out).detach().clone()
+        return keep
+
+    handles = [layer.get_submodule(path).register_forward_hook(keeper(f"layers.{i}.{name}"))
+               for name, (path, _kind) in arch.inner.items() if name != "resid_mid"
+               for i, layer in enumerate(arch.layers)]
+    handles.append(arch.layers[-1].register_forward_hook(keeper(f"layers.{arch.n_layers - 1}.resid_post")))
+    try:
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    hs = out.hidden_states
+    for i in range(arch.n_layers):
+        got[f"layers.{i}.resid_pre"] = hs[i].clone()
+        if i < arch.n_layers - 1:
+            got[f"layers.{i}.resid_post"] = hs[i + 1].clone()
+    got["final_norm"] = hs[arch.n_layers].clone()
+    got["logits"] = out.logits.clone()
+    return got

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from models import FAMILIES, build
+from models import FAMILIES, build, oracle_activations
 
 import probe
 from probe import _borrow
@@ -24,41 +24,13 @@ def _big_batch() -> torch.Tensor:
     return torch.randint(3, 128, (4, 256), generator=torch.Generator().manual_seed(0))
 
 
-def _cloned_oracle(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every site's activation from plain forward hooks that clone at once (no probe attached)."""
-    arch = probe.resolve_arch(model)
-    got: dict[str, torch.Tensor] = {}
-    handles = []
-    for name, (path, _kind) in arch.inner.items():
-        if name == "resid_mid":
-            continue
-        for i, layer in enumerate(arch.layers):
-            def keep(mod, args, out, key=f"layers.{i}.{name}"):  # noqa: ANN001, ANN202
-                got[key] = (out[0] if isinstance(out, tuple) else out).detach().clone()
-            handles.append(layer.get_submodule(path).register_forward_hook(keep))
-    def last(mod, args, out, key=f"layers.{arch.n_layers - 1}.resid_post"):  # noqa: ANN001, ANN202
-        got[key] = (out[0] if isinstance(out, tuple) else out).detach().clone()  # (hidden_states has it normed)
-    handles.append(arch.layers[-1].register_forward_hook(last))
-    with torch.no_grad():
-        out = model(ids, output_hidden_states=True)
-    for h in handles:
-        h.remove()
-    for i in range(arch.n_layers):
-        got[f"layers.{i}.resid_pre"] = out.hidden_states[i].clone()
-        if i < arch.n_layers - 1:
-            got[f"layers.{i}.resid_post"] = out.hidden_states[i + 1].clone()
-    got["final_norm"] = out.hidden_states[arch.n_layers].clone()
-    got["logits"] = out.logits.clone()
-    return got
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_borrowed_captures_equal_the_oracle_on_every_family(family: str) -> None:
     """No supported family writes into a captured tensor after its hook: every borrowed capture arrives
     bit-exact in another process's view of the bus, and none is counted torn."""
     model = build(family)
     ids = _big_batch()
-    want = _cloned_oracle(model, ids)
+    want = oracle_activations(model, ids)
     sites = SITES + (["layers.*.resid_mid"] if "resid_mid" in probe.resolve_arch(model).inner else [])
     with probe.attach(model, sites) as session:
         sub = probe.Subscriber(session.endpoint)
@@ -86,7 +58,7 @@ def test_a_tensor_written_in_place_before_its_send_is_counted_torn_and_copying_t
     is handed back, the session warns, counts it, and copies every later capture at its hook."""
     model = build("llama")
     ids = _big_batch()
-    clean = _cloned_oracle(model, ids)["layers.1.resid_post"]
+    clean = oracle_activations(model, ids)["layers.1.resid_post"]
 
     def double(mod, args, kwargs):  # noqa: ANN001, ANN202
         (args[0] if args else kwargs["hidden_states"]).mul_(2)
