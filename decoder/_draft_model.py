@@ -40,6 +40,7 @@ class DraftModelDrafter:
 
     def __init__(self, model: nn.Module, *, name: str | None = None) -> None:
         self.model = model.eval()
+        self.cache_kw = cache_kw(model.forward)  # how this transformers release names the KV cache (`_compat.py`)
         self.vocab = int(model.config.vocab_size)
         self.name = name or self.name
         self.source = getattr(model.config, "_name_or_path", "")
@@ -98,7 +99,7 @@ class DraftModelDrafter:
         self.mask[:, self.cols: self.cols + n] = 1 if valid is None else valid.long()
         self.cols += n
         return self.model(ids.to(self.device), attention_mask=self.mask[:, : self.cols], position_ids=positions,
-                          **{cache_kw(self.model.forward): self.cache}, use_cache=True).logits
+                          **{self.cache_kw: self.cache}, use_cache=True).logits
 
     def _drop(self, cols: int) -> None:
         if self.cols > cols:
@@ -192,7 +193,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         def forward(tok: torch.Tensor, i: int) -> torch.Tensor:
             mask = torch.cat([prefix, torch.ones(b, len(states) + 1, dtype=prefix.dtype, device=dev)], 1)
             return self.model(tok[:, None].to(dev), attention_mask=mask, position_ids=base + i,
-                              **{cache_kw(self.model.forward): run.cache}, use_cache=True).logits[:, -1]
+                              **{self.cache_kw: run.cache}, use_cache=True).logits[:, -1]
 
         exit_layer = self.model.model.layers[self.layers - 1]
         hook = exit_layer.register_forward_hook(lambda _m, _a, out: states.append(out[0] if isinstance(out, tuple)
@@ -258,7 +259,8 @@ def _layers(inner: nn.Module, lo: int, hi: int, hidden: torch.Tensor, positions:
     causal = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=mask,
                                 **{cache_kw(create_causal_mask): cache}, position_ids=positions, layer_idx=lo)
     rope = inner.rotary_emb(hidden, position_ids=positions)
+    kv = cache_kw(inner.layers[lo].forward)  # one decoder layer class per model
     for layer in inner.layers[lo:hi]:
         hidden = layer(hidden, attention_mask=causal, position_embeddings=rope, position_ids=positions,
-                       **{cache_kw(layer.forward): cache}, use_cache=True)
+                       **{kv: cache}, use_cache=True)
     return hidden

@@ -202,19 +202,17 @@ def heldout_acceptance(drafter: Eagle3Drafter, embed: nn.Embedding, seqs: list[t
             "tau": round(1 + sum(acc), 3)}
 
 
-def train_drafter(target: nn.Module, recording: str | Path | list, out: str | Path, cfg: TrainConfig | None = None,
-                  *, aux_layer_ids: list[int] | None = None, resume: bool = True, progress: bool = True,
+def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg: TrainConfig | None = None, *,
+                  aux_layer_ids: list[int] | None = None, resume: bool = True, progress: bool = True,
                   target_name: str = "") -> dict:
-    """Train and save (speculators layout) a drafter for `target` from one recording or several; returns final
-    metrics."""
+    """Train and save (speculators layout) a drafter for `target`; returns final metrics."""
     cfg = cfg or TrainConfig()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     dcfg = Eagle3Config.for_target(target.config, aux_layer_ids=aux_layer_ids)
     sites = [f"layers.{i}.resid_pre" for i in dcfg.aux_layer_ids] + (["final_norm"] if cfg.soft else [])
-    seqs = [s for rec in (recording if isinstance(recording, list) else [recording])
-            for s in load_site_sequences(rec, sites)]
+    seqs = load_site_sequences(recording, sites)
     seqs = [s for s in seqs if len(s[0]) >= 8]
     if not seqs:
         raise ValueError(f"{recording}: no complete sequence of at least 8 tokens")

@@ -47,11 +47,10 @@ def record(model, tok, prompts: list[str], folder: Path, new_tokens: int, batch:
     sites += ["final_norm"] if soft else []
     torch.manual_seed(0)
     with probe.attach(model, sites) as session, exporters.ArrowRecorder(session, folder) as rec:
-        for kind, group in (("greedy", prompts), (f"T={temperature}", sampled)):
+        sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        for kind, group, how in (("greedy", prompts, dict(do_sample=False)), (f"T={temperature}", sampled, sample)):
             for i in range(0, len(group), batch):
                 enc = tok(group[i: i + batch], return_tensors="pt", padding=True)
-                how = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if kind != "greedy" \
-                    else dict(do_sample=False)
                 with torch.no_grad():
                     model.generate(**enc, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id, **how)
                 print(f"recorded {min(i + batch, len(group))}/{len(group)} prompts ({kind})", flush=True)
