@@ -4,6 +4,7 @@ fidelity check of every captured row against transformers' output_hidden_states.
 
     python benchmarks/cuda_overhead.py                 # random Llama ~1B, bf16, batch 1 and 8
     python benchmarks/cuda_overhead.py --quick
+    python benchmarks/cuda_overhead.py --profile       # also: where a decode step's host time goes, plain vs probebus
 
 Needs a CUDA device. Modes run interleaved in rotating order; a subscriber process drains
 everything for probebus and for naive; decode tok/s excludes the prefill.
@@ -76,6 +77,34 @@ def fidelity(model: LlamaForCausalLM, vocab: int) -> None:
     print(f"  (checked in {time.perf_counter() - t0:.1f} s)")
 
 
+def profile(model: LlamaForCausalLM, new_tokens: int) -> None:
+    """torch.profiler over one batch-1 generate, plain and with probebus attached: the host ops that differ are
+    what the probe adds to a decode step (on an H200 the host, not the GPU, bounds a step of this model)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    ids = torch.randint(3, 32000, (1, 128), device="cuda")
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+              do_sample=False, pad_token_id=0, eos_token_id=None)
+    for i, mode in enumerate(("plain", "probebus", "plain", "probebus")):  # the first pair warms up
+        with torch.no_grad(), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            if mode == "plain":
+                model.generate(ids, **kw)
+            else:
+                with probe.attach(model, "layers.*.resid_post") as session:
+                    sub = probe.Subscriber(session.endpoint)
+                    session.wait_for(sub)
+                    model.generate(ids, **kw)
+                sub.close()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        if i < 2:
+            continue
+        print(f"profile {mode}: {wall * 1e3:.0f} ms for {new_tokens} tokens (profiled)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -83,6 +112,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--profile", action="store_true", help="profile one plain and one probebus generate, then stop")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.hidden, args.layers, args.new_tokens = 2, 512, 4, 16
@@ -94,6 +124,8 @@ def main() -> None:
     print(f"machine: {torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
           f"Python {platform.python_version()}, pyzmq {zmq.__version__}; random Llama "
           f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B bf16 ({args.layers} layers, hidden {args.hidden})")
+    if args.profile:
+        return profile(model, args.new_tokens)
     fidelity(model, cfg.vocab_size)
     eps = {"probebus": f"ipc:///tmp/pb-cuda-{os.getpid()}", "naive": f"ipc:///tmp/pb-naive-{os.getpid()}"}
     drains = [subprocess.Popen([sys.executable, "-c", DRAIN, m, e]) for m, e in eps.items()]

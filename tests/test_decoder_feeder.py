@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 import probe
 from decoder import Eagle3Config, Eagle3Drafter, EagleFeeder
+from decoder._compat import cache_kw
 from decoder._feeder import feature_sites
 
 K = 4
@@ -61,8 +62,9 @@ def test_feeder_drafts_equal_the_module_run_from_scratch(batch: int, every_site:
         assert session.publisher.bundling == every_site
         feeder.prepare(batch, 64)
         seq_ids, cache = session.new_seq_ids(batch), DynamicCache()
+        kv = {cache_kw(target.forward): cache}  # `cache=` in newer transformers, `past_key_values=` before
         with torch.no_grad(), session.context(phase="prefill", seq_ids=seq_ids):
-            target(prompts, cache=cache, use_cache=True)
+            target(prompts, **kv, use_cache=True)
         feeds = [(session.step, torch.zeros(batch, dtype=torch.long), torch.full((batch,), n - 1))]
         # rounds: verify 4 true tokens and keep `acc` + 1 of them (the rest is rejected, cropped)
         for acc in (None, 2, 0, 3):
@@ -70,7 +72,7 @@ def test_feeder_drafts_equal_the_module_run_from_scratch(batch: int, every_site:
                 fed = int(feeds[-1][2][0]) + 1  # the first position this verify computes
                 pos = torch.arange(fed, fed + 4).expand(batch, 4)
                 with torch.no_grad(), session.context(phase="verify", seq_ids=seq_ids, positions=pos):
-                    target(seqs[:, fed: fed + 4], position_ids=pos, cache=cache, use_cache=True)
+                    target(seqs[:, fed: fed + 4], position_ids=pos, **kv, use_cache=True)
                 cache.crop(-(3 - acc))
                 feeds = [(session.step, torch.full((batch,), fed), torch.full((batch,), fed + acc))]
             fed_end = int(feeds[-1][2][0])
