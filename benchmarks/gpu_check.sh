@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine (~7 min)
 #   DEV=cpu SMALL=1 bash benchmarks/gpu_check.sh # dry run of the script itself on a CPU (~4 min)
+#   STEPS="cuda_tests spec_greedy" bash benchmarks/gpu_check.sh   # some steps only
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 DEV=${DEV:-cuda}
@@ -22,6 +23,7 @@ if [ -n "${SMALL:-}" ]; then P=2; N=16; R=1; else P=8; N=64; R=2; fi
 step() {  # name, seconds, command...: runs it, keeps its log, prints its tail
     local name=$1 limit=$2 t0 rc
     shift 2
+    case " ${STEPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac
     echo "== $name"
     t0=$(date +%s)
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -33,7 +35,7 @@ step() {  # name, seconds, command...: runs it, keeps its log, prints its tail
 nvidia-smi -L 2> /dev/null
 python3 -c "import torch, transformers, zmq; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 'pyzmq', zmq.__version__)"
-[ "$DEV" = cuda ] && step cuda_tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_probe_cuda.py
+[ "$DEV" = cuda ] && step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_probe_cuda.py tests/test_decoder_cuda.py
 # cold start and every drafter through the CLI; greedy texts must agree across drafters
 TAIL=9 step generate 120 bash -c 'for t in 0 0.8; do for d in none default auto; do
     s=$(date +%s.%N); python3 -m probebus generate --device '"$DEV"' --drafter $d --prompt "def parse(" \

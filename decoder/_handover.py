@@ -176,7 +176,7 @@ def plain_call(spec: SpeculativeDecoder, input_ids: torch.Tensor, attention_mask
     stats = SpecStats(batch=b, rounds=new, target_forwards=new, emitted=emitted, row_rounds=emitted,
                       plain_rounds=new, delegated=True, path="plain")
     stats.seconds = stats.verify_s = time.perf_counter() - t0
-    return SpecOutput(seq, stats)
+    return SpecOutput(seq.to(input_ids.device), stats)  # on the prompt's device, as `Run.sequences`
 
 def gen_kwargs(target: torch.nn.Module, max_new_tokens: int, temperature: float, top_k: int | None,
                top_p: float | None, eos_ids: list[int], pad: int | None) -> dict:

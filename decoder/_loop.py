@@ -343,7 +343,7 @@ class SpeculativeDecoder(ProbeSwitch):
                          run.ahead(), row_scale=e_scale)
         eagle, prefix = None, None
         if consult:
-            seed = int(torch.randint(2**31 - 1, (1,), generator=run.gen)) if run.mode == "sample" else None
+            seed = run.draft_seed() if run.mode == "sample" else None
             with self._quiet(run):
                 eagle = self.feeder.draft(run.take_feeds(), run.toks, k, run.temperature, seed, plan)
             run.stats.by_drafter[self.slots[run.cur].name] = run.stats.by_drafter.get(self.slots[run.cur].name, 0) + 1

@@ -136,6 +136,8 @@ def oracle_bound(spec, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         with spec.session.context(phase="verify", positions=positions, valid=torch.ones(1, 1, dtype=torch.bool)):
             spec.target(inp, attention_mask=mask, position_ids=positions, **{spec.cache_kw: run.cache},
                         use_cache=True)
+        if dev.type == "cuda":
+            spec.session.sync()  # the committed forward's features, for the next round's drafts
         kept = run.commit([a for _, a in used], nxt, chosen)
         start, end = run.advance()
         run.feeds.append((spec.session.step, start, end))

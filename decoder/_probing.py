@@ -84,6 +84,17 @@ class ProbeSwitch:
         if self.session is None:
             return contextlib.nullcontext()
         if phase == "prefill":
-            return self.session.context(phase="prefill", seq_ids=run.seq_ids)
-        return self.session.context(phase="verify", seq_ids=run.seq_ids, positions=positions,
-                                    valid=self._valid_on if self._capturing else self._valid_off)
+            ctx = self.session.context(phase="prefill", seq_ids=run.seq_ids)
+        else:
+            ctx = self.session.context(phase="verify", seq_ids=run.seq_ids, positions=positions,
+                                       valid=self._valid_on if self._capturing else self._valid_off)
+        return _then_sync(ctx, self.session) if run.device.type == "cuda" and self._capturing else ctx
+
+
+@contextlib.contextmanager
+def _then_sync(ctx, session):  # noqa: ANN001, ANN202
+    """`ctx`, then the step's captures sent: on a CUDA model they otherwise wait for a later step boundary,
+    and the drafter reads them before the next forward (the loop reads the step's logits anyway)."""
+    with ctx:
+        yield
+    getattr(session, "sync", lambda: None)()

@@ -151,6 +151,12 @@ class Run:
         self.feeds_by[self.cur] = self.feeds = []
         return feeds
 
+    def draft_seed(self) -> int:
+        """A seed for the drafter's draws of this round, from the call's generator (on the target's device: a
+        CUDA generator draws only into CUDA tensors), or from torch's global one in an unseeded call."""
+        gen = self.gen
+        return int(torch.randint(2**31 - 1, (1,), generator=gen, device=None if gen is None else gen.device))
+
     def observe_rate(self, tokens: int, seconds: float, alpha: float = 0.1) -> None:
         """The loop's recent throughput (tokens/s over all rows), as a ratio of moving averages."""
         self._tokens_ema += alpha * (tokens - self._tokens_ema)
@@ -268,9 +274,10 @@ class Run:
         return start, torch.maximum(torch.tensor(self.last) - 1, start)
 
     def sequences(self, pad: int | None) -> torch.Tensor:
-        """Like `generate`: the (padded) prompt, then new tokens, padded after a row finishes."""
+        """Like `generate`: the (padded) prompt, then new tokens, padded after a row finishes, on the prompt's
+        device (`torch.equal(out.sequences, model.generate(...))` holds on a GPU too)."""
         width = max(self.emitted)
         out = torch.full((self.b, width), pad if pad is not None else 0, dtype=torch.long)
         for r in range(self.b):
             out[r, : self.emitted[r]] = self.toks[r, self.lens[r]: self.lens[r] + self.emitted[r]]
-        return torch.cat([self.input_ids.cpu(), out], 1)
+        return torch.cat([self.input_ids.cpu(), out], 1).to(self.input_ids.device)

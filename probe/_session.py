@@ -169,6 +169,21 @@ class ProbeSession:
         if not self._closed:
             self.publisher.flush_held()
 
+    def sync(self) -> None:
+        """Send every capture of the steps that have ended, waiting for a CUDA model's device copies to land.
+
+            with session.context(phase="verify", ...):
+                model(...)
+            session.sync()        # this step's captures are on the bus before the next step
+
+        For a consumer that needs a step's captures before the model's next step (a drafter fed by the bus).
+        On a CUDA model the copies are otherwise sent at a later step boundary, once they have landed, so
+        that the model's thread never waits for them; here it waits, like any read of the step's outputs.
+        On the model's thread only (it owns the staging ring)."""
+        if not self._closed:
+            self._copy.flush_device(block=True)
+            self.publisher.flush_held()
+
     def resume(self) -> None:
         """Put back the taps `pause()` took off."""
         if self._paused is not None and not self._closed:
