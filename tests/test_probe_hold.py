@@ -61,9 +61,11 @@ def test_steps_are_held_and_leave_together_once_a_linger_old_with_no_further_ste
     assert sub.stats.missed == 0
 
 
-def test_flush_sends_the_held_steps_now() -> None:
+@pytest.mark.parametrize("how", ["flush from another thread", "sync"])
+def test_flush_sends_the_held_steps_now(how: str) -> None:
     """`session.flush()` sends what the linger holds at once (a caller that has finished generating does not wait
-    the linger out), from another thread too, and the held steps arrive whole and in order."""
+    the linger out), from another thread too, and the held steps arrive whole and in order; `session.sync()`
+    (the model's thread; on CUDA it also waits for the device copies) does the same on a CPU model."""
     model = build("llama")
     n = model.config.num_hidden_layers
     with probe.attach(model, "layers.*.resid_post", max_delay=30.0) as session:
@@ -73,9 +75,12 @@ def test_flush_sends_the_held_steps_now() -> None:
         _forward(model, 3)
         assert session.stats.published == 0 and session.stats.queued == 3 * n
         assert sub.recv(timeout=0.3) is None  # held
-        flusher = threading.Thread(target=session.flush)
-        flusher.start()
-        flusher.join()
+        if how == "sync":
+            session.sync()
+        else:
+            flusher = threading.Thread(target=session.flush)
+            flusher.start()
+            flusher.join()
         caps = [sub.recv(timeout=5) for _ in range(3 * n)]
         assert all(c is not None for c in caps)
         want = [(s, f"layers.{i}.resid_post") for s in range(1, 4) for i in range(n)]
