@@ -188,10 +188,11 @@ class CostModel:
     @classmethod
     def for_target(cls, target: nn.Module, *, refresh: bool = False, path: Path | None = None,
                    packed: str = "all") -> CostModel:
-        """`packed`: the loop's multi-token forwards use `PackedLinears` ("all" by default), so their curve does."""
+        """`packed`: the loop's forwards use `PackedLinears` ("all" by default), so their curve does."""
         have = PackedLinears.of(target, packed)
         packed = have.kind if have is not None else "none"
-        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}".encode()).hexdigest()[:20]
+        # "+1": one-token forwards packed too (since 2026-12-04): a curve cached before measured them unpacked
+        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}+1".encode()).hexdigest()[:20]
         path = path or cache_dir() / f"decoder-cost-{key}.json"
         data = None
         if not refresh and path.is_file():
@@ -270,8 +271,8 @@ class CostModel:
 
         The fastest of `reps` interleaved runs (the first run of a shape pays one-time costs; on a
         shared machine the slow runs measure the neighbours, not the model). `context()` (if given)
-        wraps each forward, e.g. a probe context that publishes nothing. `packed`: forwards of more than
-        one token use these packed weights ("all", "head"), as the loop's do (`_packed.py`).
+        wraps each forward, e.g. a probe context that publishes nothing. `packed`: every forward uses these
+        packed weights ("all", "head"), as the loop's do (`_packed.py`).
         """
         p = next(target.parameters())
         vocab = target.config.vocab_size

@@ -1,5 +1,5 @@
-"""Handing a call, or the rest of a losing one, to plain decoding: the target's own `generate`, or for a
-sampled call on CPU the loop's own plain rounds (`loop_plain`, measured faster there).
+"""Handing a call, or the rest of a losing one, to plain decoding: the target's own `generate`, or on CPU the
+loop's own plain rounds (`loop_plain`, measured faster there).
 
     out = plain_call(spec, input_ids, ...)  # the whole call (the path choice measured drafting not to pay)
     if auto and losing(spec, run, t_decode):
@@ -48,19 +48,21 @@ if TYPE_CHECKING:
 HAND_OVER_AFTER = 32  # decoded tokens before a call's own rate is judged (early rounds still calibrate)
 HAND_OVER_LOSS = 1.1  # seconds per token over a one-token forward (a plain step runs ~1.05x of one)
 MIN_LEFT = 16  # tokens worth handing over: fewer do not repay `generate`'s start
-# Devices on which a sampled call's plain part (a whole call the path choice gave to plain decoding, or the rest
-# of one that measured itself losing) runs as the loop's own plain rounds, probes off, instead of `generate`.
-# On the 2-core CPU VM the loop's plain round outran `generate`'s step once both sampled by inverse CDF and
+# Devices on which a call's plain part (a whole call the path choice gave to plain decoding, or the rest of a
+# sampled one that measured itself losing) runs as the loop's own plain rounds, probes off, instead of `generate`.
+# On the 2-core CPU VM the loop's plain round outran `generate`'s step once the loop sampled by inverse CDF and
 # `generate` by torch.multinomial (`_verify.sample`), per forward, 24 stdlib prompts, T = 0.8, 96 tokens:
 # batch 1 6.53 ms against 6.64 (0.37 ms outside the forward against 0.63), batch 8 10.42 against 11.73
-# (0.75 against 2.03). Greedy calls keep `generate` (batch 8: 11.83 against 11.59 ms), and so does every other
-# device: not measured there, and a GPU's multinomial is no reason to leave `generate`.
+# (0.75 against 2.03). Greedy calls joined once their one-token forwards took the packed weights too
+# (`_packed.py`): the loop with nothing drafted ran 1.09-1.12x `generate` at batch 1 and 1.03-1.06x at batch 8,
+# against 1.00-1.01x and 0.92-0.93x before (3 sets x 24 prompts, 96 tokens, 2 repeats, 2026-12-04). Every
+# other device keeps `generate`: not measured there, and no weights are packed there.
 LOOP_PLAIN = ("cpu",)
 
 
-def loop_plain(temperature: float, device: torch.device) -> bool:
-    """Whether a sampled call's plain part runs in the loop (see LOOP_PLAIN) rather than in `generate`."""
-    return temperature > 0 and device.type in LOOP_PLAIN
+def loop_plain(device: torch.device) -> bool:
+    """Whether a call's plain part runs in the loop (see LOOP_PLAIN) rather than in `generate`."""
+    return device.type in LOOP_PLAIN
 
 
 def losing(spec: SpeculativeDecoder, run: Run, t_decode: float) -> bool:
@@ -79,13 +81,13 @@ def losing(spec: SpeculativeDecoder, run: Run, t_decode: float) -> bool:
 
 
 def plain_round(spec: SpeculativeDecoder, run: Run) -> None:
-    """One plain step of every live row, probes off and no drafter asked: a sampled call that the path choice
-    gave to plain decoding, or the rest of one that measured itself losing (`loop_plain`)."""
+    """One plain step of every live row, probes off and no drafter asked: a call that the path choice gave to
+    plain decoding, or the rest of a sampled one that measured itself losing (`loop_plain`)."""
     t0 = time.perf_counter()
     spec._capture(False)
     drafts = RoundDrafts(run.no_drafts, [0] * run.b, ["none"] * run.b)
     inp, positions, mask = run.inputs(drafts.tokens)
-    with spec._context("verify", run, positions), spec.packed_weights(run.mode == "sample"):
+    with spec._context("verify", run, positions), spec.packed_weights():
         logits = spec.target(inp, attention_mask=mask, position_ids=positions, **{spec.cache_kw: run.cache},
                              use_cache=True).logits
     n_acc, nxt = spec._accept(run, drafts, logits)

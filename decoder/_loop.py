@@ -129,10 +129,10 @@ class SpeculativeDecoder(ProbeSwitch):
             self._cost = CostModel.for_target(self.target, packed=self._packed.kind if self._packed else "none")
         return self._cost
 
-    def packed_weights(self, one_token: bool = False) -> contextlib.AbstractContextManager:
-        """Around a forward of several tokens per row (with `one_token`, any forward: a sampled call's): the
-        target's linear layers with their weights packed once (`_packed.py`), where that applies."""
-        return self._packed.active(one_token) if self._packed is not None else contextlib.nullcontext()
+    def packed_weights(self) -> contextlib.AbstractContextManager:
+        """Around each of the loop's forwards: the target's linear layers with their weights packed once
+        (`_packed.py`), where that applies."""
+        return self._packed.active() if self._packed is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         for slot in self.slots:  # first: the session then has no one to wait for at its end of stream
@@ -161,12 +161,12 @@ class SpeculativeDecoder(ProbeSwitch):
         auto = not self.sched.fixed and seed is None and (self.feeder is not None or self.ngram is not None)
         path = self.cost.paths.pick(key, self._paths(input_ids.shape[0], temperature)) if auto else "spec"
         plain = path == "plain"
-        if plain and not loop_plain(temperature, next(self.target.parameters()).device):
+        if plain and not loop_plain(next(self.target.parameters()).device):
             out = plain_call(self, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
                               pad_token_id, streamer)
             self.cost.paths.observe(key, "plain", out.stats.tokens_per_s, out.stats.emitted)
             return out
-        # a plain call of a sampled batch: the loop's own plain rounds (`loop_plain`)
+        # a plain call on CPU: the loop's own plain rounds (`loop_plain`)
         run = self._start(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
                           streamer, drafting=not plain, model_drafters=path == "spec")
         if self._packed is not None:
@@ -215,7 +215,7 @@ class SpeculativeDecoder(ProbeSwitch):
                 continue
             if auto and losing(self, run, t_decode):  # the rest as plain steps, on this call's cache
                 spec_part = (run.stats.emitted, time.perf_counter() - t0 - run.setup_s)
-                if loop_plain(run.temperature, run.device):
+                if loop_plain(run.device):
                     run.drafting, run.handed, run.ngram = False, True, None  # no more drafts: no index to grow
                     continue
                 hand_over(self, run)
@@ -296,7 +296,7 @@ class SpeculativeDecoder(ProbeSwitch):
             self._capture(self._awake(run))
         mask, pos = run.prefill_inputs()
         run.seq_ids = self.session.new_seq_ids(run.b) if self.session is not None else None
-        with self._context("prefill", run):
+        with self._context("prefill", run), self.packed_weights():
             logits = self.target(run.input_ids.to(run.device), attention_mask=mask, position_ids=pos,
                                  **{self.cache_kw: run.cache}, use_cache=True).logits[:, -1]
         first = self._choose(run, logits).tolist()
@@ -394,7 +394,7 @@ class SpeculativeDecoder(ProbeSwitch):
         inp, positions, mask = run.inputs(drafts.tokens)
         if self.session is not None:  # EAGLE-3 resting for a while: take the probes off the model meanwhile
             self._capture(self._awake(run))
-        with self._context("verify", run, positions), self.packed_weights(run.mode == "sample"):
+        with self._context("verify", run, positions), self.packed_weights():
             return self.target(inp, attention_mask=mask, position_ids=positions, **{self.cache_kw: run.cache},
                                use_cache=True).logits
 

@@ -1,7 +1,7 @@
-"""The target's linear layers for the loop's multi-token forwards, their weights packed once for oneDNN.
+"""The target's linear layers for the loop's forwards, their weights packed once for oneDNN.
 
     packed = PackedLinears.of(target)          # None where it does not apply (GPU, not fp32, no oneDNN)
-    with packed.active():                      # the verify forward of a round
+    with packed.active():                      # a forward of the loop: prefill, verify, plain step
         logits = target(draft_ids, ...).logits
 
 Why: on the CPU, `F.linear` with more than one row packs the weight into the GEMM kernel's
@@ -13,18 +13,19 @@ The target's other large layers pay the same in proportion (small ones do not: `
 MLP projections packed too (1 thread, median of 300 interleaved; design notes, "Verify's linear
 layers").
 
-Only forwards of more than one position per row go through the packed weights (a verify, a
-tree); a one-token step, as plain `generate` runs it, keeps `F.linear`, so the loop's greedy plain
-rounds compute exactly what `generate` does. A sampled call asks for every forward packed
-(`active(one_token=True)`): its tokens are draws, which no kernel's rounding makes any less the
-target's, and a one-token forward of the default target took 5.0-5.1 ms packed against 5.5 ms (batch 1)
-and 6.7 against 8.5 ms (batch 8; 8 rows through the 8192 x 192 head repack it on every call), median of
-60 steps in 5 interleaved repeats, 2-core VM. Acceptance only compares argmaxes or
-probabilities of each position, so the few-ulp differences between the kernels matter no
-more than those `F.linear` already has between 1 and 6 rows. A layer is left alone while
-anything else wraps or hooks it (a probe on `logits`), and repacked when its weight changes. The packed copies cost the
-weights' size again in memory: past `max_bytes` (1 GiB) of linear weights, only the LM head
-is packed (`which="head"` asks for that; `SpeculativeDecoder(..., packed="head")`).
+Every forward of the loop goes through the packed weights, one-token steps included: a one-token
+forward of the default target took 5.0-5.1 ms packed against 5.5 ms (batch 1) and 6.7 against 8.5 ms
+(batch 8; 8 rows through the 8192 x 192 head repack it on every call), median of 60 steps in 5
+interleaved repeats, 2-core VM. Packed and unpacked differ by a few ulps, no more than `F.linear`
+itself between 1 and 6 rows: a greedy token can differ from `generate`'s only where the target's top
+two logits tie to within that, as for any verify of several tokens. Until 2026-12-04 greedy calls kept
+`F.linear` for their one-token steps, bit for bit `generate`'s, and their plain rounds ran 0.92-0.93x
+`generate` at batch 8 (README, design notes "Verify's linear layers"); `packed="none"` still does that.
+
+A layer is left alone while anything else wraps or hooks it (a probe on `logits`), and repacked when its
+weight changes. The packed copies cost the weights' size again in memory: past `max_bytes` (1 GiB) of
+linear weights, only the LM head is packed (`which="head"` asks for that; `SpeculativeDecoder(...,
+packed="head")`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ class PackedLinears:
     def __init__(self, layers: list[nn.Linear], kind: str) -> None:
         self.layers, self.kind = layers, kind  # kind: "all" or "head" (what the cost curve was measured with)
         self._packed: list[tuple[tuple, object] | None] = [None] * len(layers)  # (weight key, forward)
-        self._one_token = [False]  # read by every packed forward: one-token forwards packed too
 
     @classmethod
     def of(cls, target: nn.Module, which: str = "all", max_bytes: int = 1 << 30) -> PackedLinears | None:
@@ -84,12 +84,11 @@ class PackedLinears:
             w = layer.weight
             key = (w.data_ptr(), w._version, tuple(w.shape))
             if self._packed[i] is None or self._packed[i][0] != key:
-                self._packed[i] = (key, _packed_forward(layer, self._one_token))
+                self._packed[i] = (key, _packed_forward(layer))
 
     @contextlib.contextmanager
-    def active(self, one_token: bool = False) -> Iterator[None]:
-        """The packed weights for forwards of several positions per row, and with `one_token` for every forward
-        (a sampled call's: see the module's docstring)."""
+    def active(self) -> Iterator[None]:
+        """The packed weights for the forwards inside (those of fp32 activations of shape [batch, len, in])."""
         if torch.is_grad_enabled():
             yield  # a forward that needs gradients: as it is
             return
@@ -102,11 +101,9 @@ class PackedLinears:
                 continue  # someone else's tap or hook (a probe on `logits`): as it is
             own["forward"] = forward  # the instance dict itself: nn.Module.__setattr__ costs ~2 us a call
             swapped.append(own)
-        self._one_token[0] = one_token
         try:
             yield
         finally:
-            self._one_token[0] = False
             for own in swapped:
                 del own["forward"]
 
@@ -116,14 +113,13 @@ def _pointwise_op():  # noqa: ANN202
     return torch.ops.mkldnn._linear_pointwise
 
 
-def _packed_forward(layer: nn.Linear, one_token: list[bool]):  # noqa: ANN202
-    """The layer's forward over its weight packed now: oneDNN for several positions per row (or for any forward
-    while one_token[0]), else F.linear."""
+def _packed_forward(layer: nn.Linear):  # noqa: ANN202
+    """The layer's forward over its weight packed now: oneDNN for fp32 [batch, len, in], else F.linear."""
     packed, weight, bias = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 8), layer.weight, layer.bias
     pointwise = _pointwise_op()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 3 and (x.shape[1] > 1 or one_token[0]) and x.dtype == torch.float32:
+        if x.dim() == 3 and x.dtype == torch.float32:
             return pointwise(x, packed, bias, "none", [], "")
         return F.linear(x, weight, bias)
 

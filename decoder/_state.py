@@ -35,7 +35,7 @@ class SpecStats:
     by_drafter: dict[str, int] = field(default_factory=dict)  # rounds each model drafter was consulted
     path: str = "spec"  # what `PathChoice` gave the call: "spec" (every drafter), "ngram" (n-gram alone), "plain"
     delegated: bool = False  # the call ran as plain decoding (drafting measured not to pay): the target's own
-    # `generate`, or for a sampled call on CPU the loop's own plain rounds (`_handover.LOOP_PLAIN`)
+    # `generate`, or on CPU the loop's own plain rounds (`_handover.LOOP_PLAIN`)
     handed_over: int = 0  # tokens plain decoding (as for `delegated`) made after the call measured itself losing
     handover_steps: int = 0  # ... in this many plain steps (one per token of the longest row)
     seconds: float = 0.0
