@@ -62,6 +62,26 @@ PATHS = ("spec", "plain")  # every drafter the decoder has, or none (the target'
 NGRAM_PATHS = ("spec", "ngram", "plain")  # sampled batch-1 calls with a model drafter and n-gram: "ngram" alone
 
 
+def quick_lengths(k_max: int) -> list[int]:
+    """The forward lengths a first measurement times: 1, 2, the middle and k_max + 1. The curve between them is
+    close to straight where it was measured whole (batch 8, default model, 2-core VM: 1.33, 1.38 for 3 and 4
+    tokens, 1.64, 1.7, 1.8 for 6-8, against 1.32, 1.43 and 1.64, 1.73, 1.82 interpolated; batch 1 flat from 2
+    tokens on)."""
+    return sorted({1, min(2, k_max + 1), (k_max + 3) // 2, k_max + 1})
+
+
+def _interpolated(points: dict[int, float], n: int) -> list[float]:
+    """Values for lengths 1..n from measured `points` (1 and n among them), linear in between."""
+    known = sorted(points)
+    out = []
+    for length in range(1, n + 1):
+        lo = max(k for k in known if k <= length)
+        hi = min(k for k in known if k >= length)
+        w = 0.0 if hi == lo else (length - lo) / (hi - lo)
+        out.append(points[lo] + w * (points[hi] - points[lo]))
+    return out
+
+
 class PathChoice:
     """Whole calls, per (batch, mode, drafter): speculative rounds or the target's own `generate`, whichever took
     fewer seconds per token over its last WINDOW calls (their seconds over their tokens: what a run of calls
@@ -184,6 +204,7 @@ class CostModel:
         self.adapt = adapt
         self._target: nn.Module | None = None  # the model `ensure` measures (set by `for_target`)
         self._packed = "none"  # which of the target's weights the loop's multi-token forwards use packed
+        self.full = False  # measure every length (refresh=True: the benchmark, --refresh-cost), else QUICK_LENGTHS
 
     @classmethod
     def for_target(cls, target: nn.Module, *, refresh: bool = False, path: Path | None = None,
@@ -203,6 +224,7 @@ class CostModel:
         model = cls(key, data, path)
         model._target = target
         model._packed = packed
+        model.full = refresh
         return model
 
     # --- queries ---------------------------------------------------------------------
@@ -246,18 +268,26 @@ class CostModel:
     # --- measuring -----------------------------------------------------------------------
     def ensure(self, batch: int, k_max: int, drafter: nn.Module | None = None, context=None,  # noqa: ANN001
                capturing=None) -> None:  # noqa: ANN001
-        """Measure batch `batch` if it is not known yet: 6 forwards per length (twice with `capturing`, a context
-        in which probes publish), once per model and machine: 0.2-0.6 s of a first `probebus generate
-        --drafter default` on the 2-core VM (9 lengths, both probe states), ~1 s on an H200 host."""
+        """Measure batch `batch` if it is not known yet, once per model and machine: the fastest of 3 forwards
+        per length at the lengths `quick_lengths` names (1, 2, the middle and k_max + 1; with `capturing`, a
+        context in which probes publish, 1 and k_max + 1 again), the lengths between them interpolated, and the
+        online refinement (`observe_verify`) correcting each length the loop uses. With `full` (a model made
+        with refresh=True: the benchmark, `--refresh-cost`) the fastest of 6 at every length in both probe
+        states. Measured whole, the curve cost a machine's first `--drafter default` call 0.64 s of its 0.96 s
+        (2-core VM, default model, 64 tokens, k = 8; the next call 0.32 s, `--drafter none` ~0.37 s); the
+        quick curve makes that first call 0.39-0.52 s against 0.36-0.46 s for none."""
         if self.has(batch, k_max) and (capturing is None or "verify_capturing" in self.data[str(batch)]):
             return
         if str(batch) in self.data and self._target is None:
             return  # a curve given by hand (tests, a fixed clock) is used as given: shorter only bounds trees
+        quick = None if self.full else quick_lengths(k_max)
+        reps = 6 if quick is None else 3
         if not self.has(batch, k_max):
             self.data[str(batch)] = self.measure(self._target, batch, k_max, drafter, context,
-                                                 packed=self._packed)
+                                                 packed=self._packed, lengths=quick, reps=reps)
         if capturing is not None:
-            on = self.measure(self._target, batch, k_max, None, capturing, packed=self._packed)["verify"]
+            on = self.measure(self._target, batch, k_max, None, capturing, packed=self._packed,
+                              lengths=None if quick is None else [1, k_max + 1], reps=reps)["verify"]
             plain = self.data[str(batch)]["verify"]
             self.data[str(batch)]["verify_capturing"] = [max(a, b) for a, b in zip(on, plain, strict=False)]
         self.initial[str(batch)] = json.loads(json.dumps(self.data[str(batch)]))
@@ -266,13 +296,14 @@ class CostModel:
     @staticmethod
     @torch.no_grad()
     def measure(target: nn.Module, batch: int, k_max: int, drafter: nn.Module | None = None, context=None,  # noqa: ANN001
-                ctx_len: int = 32, reps: int = 6, packed: str = "none") -> dict:
+                ctx_len: int = 32, reps: int = 6, packed: str = "none", lengths: list[int] | None = None) -> dict:
         """Seconds of a forward over L = 1..k_max+1 new tokens after ctx_len cached ones, and of a drafter step.
 
         The fastest of `reps` interleaved runs (the first run of a shape pays one-time costs; on a
         shared machine the slow runs measure the neighbours, not the model). `context()` (if given)
         wraps each forward, e.g. a probe context that publishes nothing. `packed`: every forward uses these
-        packed weights ("all", "head"), as the loop's do (`_packed.py`).
+        packed weights ("all", "head"), as the loop's do (`_packed.py`). `lengths`: measure only these (1 and
+        k_max + 1 among them), the others interpolated linearly.
         """
         p = next(target.parameters())
         vocab = target.config.vocab_size
@@ -280,20 +311,21 @@ class CostModel:
         ids = torch.randint(3, vocab, (batch, ctx_len + k_max + 1), generator=gen).to(p.device)
         cache = DynamicCache()
         times: list[list[float]] = [[] for _ in range(k_max + 1)]
+        todo = sorted(set(lengths)) if lengths else list(range(1, k_max + 2))
         weights = PackedLinears.of(target, packed)
         with (context() if context is not None else torch.no_grad(),
               weights.active() if weights is not None else contextlib.nullcontext()):
             kv = cache_kw(target.forward)
             target(ids[:, :ctx_len], **{kv: cache}, use_cache=True)
             for _ in range(reps):
-                for length in range(1, k_max + 2):  # interleaved: drift hits every length alike
+                for length in todo:  # interleaved: drift hits every length alike
                     t0 = time.perf_counter()
                     target(ids[:, ctx_len: ctx_len + length], **{kv: cache}, use_cache=True)
                     if p.device.type == "cuda":
                         torch.cuda.synchronize(p.device)
                     times[length - 1].append(time.perf_counter() - t0)
                     cache.crop(-length)
-        verify = [min(t) for t in times]
+        verify = _interpolated({n: min(times[n - 1]) for n in todo}, k_max + 1)
         for i in range(1, len(verify)):  # never cheaper than a shorter forward, never dearer than i+1 single ones
             verify[i] = min(max(verify[i], verify[i - 1]), verify[0] * (i + 1))
         step = verify[0] * 0.15

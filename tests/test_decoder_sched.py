@@ -52,6 +52,35 @@ def test_cost_curve_is_measured_once_cached_and_refreshable(tmp_path: Path, monk
         CostModel.for_target(model).ensure(2, 3)
 
 
+def test_a_first_curve_times_four_lengths_and_a_refresh_times_all(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """A machine's first call must not pay for a whole curve (it cost 0.64 s of a 0.96 s first call): it times 1,
+    2, the middle and k_max + 1 and interpolates; refresh=True (the benchmark, --refresh-cost) times every
+    length."""
+    from decoder._cost import _interpolated, quick_lengths
+
+    monkeypatch.setenv("PROBEBUS_CACHE_DIR", str(tmp_path))
+    assert quick_lengths(8) == [1, 2, 5, 9] and quick_lengths(0) == [1]
+    assert _interpolated({1: 1.0, 2: 2.0, 5: 5.0, 9: 1.0}, 9) == [1.0, 2.0, 3.0, 4.0, 5.0, 4.0, 3.0, 2.0, 1.0]
+    model = build("llama", layers=2)
+    timed: list[int] = []
+    real = model.forward
+
+    def forward(input_ids=None, **kw):  # noqa: ANN001, ANN202
+        timed.append(input_ids.shape[1])
+        return real(input_ids=input_ids, **kw)
+
+    model.forward = forward
+    quick = CostModel.for_target(model)
+    quick.ensure(1, 8, capturing=torch.no_grad)
+    assert sorted(set(timed) - {32}) == [1, 2, 5, 9]  # (32: the context each measurement starts from)
+    assert timed.count(9) == 3 + 3 and timed.count(5) == 3  # 3 each, and 1 and 9 again with probes publishing
+    timed.clear()
+    full = CostModel.for_target(model, refresh=True)
+    full.ensure(1, 8, capturing=torch.no_grad)
+    assert sorted(set(timed) - {32}) == list(range(1, 10)) and timed.count(5) == 2 * 6
+    assert len(quick.curve(1, 8)) == len(full.curve(1, 8)) == 9
+
+
 def test_stopping_rule_weighs_tokens_against_time() -> None:
     cost = [1.0, 1.1, 1.2, 1.3]  # seconds of verifying 1..4 tokens
     sure = [[0.0, 0.9, 1.7, 2.4]]  # prefix sums of P (row 0)
