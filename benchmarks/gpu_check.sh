@@ -3,7 +3,7 @@
 # limit, each log under $OUT. The machine has torch, transformers, pyarrow and rich but no pyzmq: carry its
 # wheel in .whl/ (ignored by git).
 #
-#   bash benchmarks/gpu_check.sh                 # on the GPU machine (~7 min)
+#   bash benchmarks/gpu_check.sh                 # on the GPU machine (~7-10 min; STEPS to pick fewer)
 #   DEV=cpu SMALL=1 bash benchmarks/gpu_check.sh # dry run of the script itself on a CPU (~4 min)
 #   STEPS="cuda_tests spec_greedy" bash benchmarks/gpu_check.sh   # some steps only
 set -u
@@ -52,3 +52,5 @@ TAIL=40 step spec_greedy 170 python3 benchmarks/speculative.py --device "$DEV" -
 TAIL=20 step spec_sampled 100 python3 benchmarks/speculative.py --device "$DEV" --sets thirdparty --batches 1 \
     --temperatures 0.8 --prompts $P --repeats $R --new-tokens $N --no-oracle
 [ "$DEV" = cuda ] && TAIL=60 step cuda_profile 80 python3 benchmarks/cuda_overhead.py --profile --new-tokens 32
+# probe overhead, interleaved against plain and naive hooks (the README's "On a GPU" table); last, as the longest
+[ "$DEV" = cuda ] && TAIL=12 step cuda_overhead 240 python3 benchmarks/cuda_overhead.py --repeats 5
