@@ -204,7 +204,7 @@ class CostModel:
         self.adapt = adapt
         self._target: nn.Module | None = None  # the model `ensure` measures (set by `for_target`)
         self._packed = "none"  # which of the target's weights the loop's multi-token forwards use packed
-        self.full = False  # measure every length (refresh=True: the benchmark, --refresh-cost), else QUICK_LENGTHS
+        self.full = False  # measure every length (refresh=True: the benchmark, --refresh-cost), else `quick_lengths`
 
     @classmethod
     def for_target(cls, target: nn.Module, *, refresh: bool = False, path: Path | None = None,

@@ -88,7 +88,7 @@ def plain_round(spec: SpeculativeDecoder, run: Run) -> None:
     drafts = RoundDrafts(run.no_drafts, [0] * run.b, ["none"] * run.b)
     inp, positions, mask = run.inputs(drafts.tokens)
     with spec._context("verify", run, positions), spec.packed_weights():
-        logits = spec.target(inp, attention_mask=None if run.dense else mask, position_ids=positions,
+        logits = spec.target(inp, attention_mask=mask, position_ids=positions,
                              **{spec.cache_kw: run.cache}, use_cache=True).logits
     n_acc, nxt = spec._accept(run, drafts, logits)
     n = sum(len(t) for t in spec._commit(run, drafts, n_acc, nxt))

@@ -395,7 +395,7 @@ class SpeculativeDecoder(ProbeSwitch):
         if self.session is not None:  # EAGLE-3 resting for a while: take the probes off the model meanwhile
             self._capture(self._awake(run))
         with self._context("verify", run, positions), self.packed_weights():
-            return self.target(inp, attention_mask=None if run.dense else mask, position_ids=positions,
+            return self.target(inp, attention_mask=mask, position_ids=positions,
                                **{self.cache_kw: run.cache}, use_cache=True).logits
 
     def _accept(self, run: Run, drafts: RoundDrafts, logits: torch.Tensor) -> tuple[list[int], list[int]]:

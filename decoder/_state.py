@@ -206,8 +206,9 @@ class Run:
             grown[:, : self.cols] = self.mask[:, : self.cols]
             self.mask = grown
 
-    def inputs(self, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input ids [B, L], positions [B, L], attention mask [B, cols + L]) for a verify forward."""
+    def inputs(self, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(input ids [B, L], positions [B, L], attention mask [B, cols + L], or None where `dense`) for a verify
+        forward; `self.mask` is kept either way (trees and hand-overs read it)."""
         b, n = drafts.shape
         length = n + 1
         if b == 1:  # slices instead of index tensors: a third of this method's time at batch 1
@@ -220,7 +221,8 @@ class Run:
             positions = last[:, None] + torch.arange(length)
         self.reserve(length)
         self.mask[:, self.cols: self.cols + length] = 1
-        return inp.to(self.device), positions.to(self.device), self.mask[:, : self.cols + length]
+        mask = None if self.dense else self.mask[:, : self.cols + length]
+        return inp.to(self.device), positions.to(self.device), mask
 
     def commit(self, n_acc: list[int], nxt: list[int], drafts: torch.Tensor) -> list[list[int]]:
         """Write each active row's accepted drafts and next token; rejected slots become masked holes.
