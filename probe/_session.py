@@ -182,7 +182,7 @@ class ProbeSession:
         On the model's thread only (it owns the staging ring)."""
         if not self._closed:
             self._copy.flush_device(block=True)
-            self.publisher.flush_held()
+            self.flush()
 
     def resume(self) -> None:
         """Put back the taps `pause()` took off."""
