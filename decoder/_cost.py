@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 from ._compat import cache_kw
 from ._packed import PackedLinears
+from ._state import causal_block
 
 
 def cache_dir() -> Path:
@@ -212,8 +213,9 @@ class CostModel:
         """`packed`: the loop's forwards use `PackedLinears` ("all" by default), so their curve does."""
         have = PackedLinears.of(target, packed)
         packed = have.kind if have is not None else "none"
-        # "+1": one-token forwards packed too (since 2026-12-04): a curve cached before measured them unpacked
-        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}+1".encode()).hexdigest()[:20]
+        # "+2": one-token forwards packed too (since 2026-12-04), but for the head at a single row, and a batch-1
+        # forward of several tokens with its own 4-D mask: a curve cached before measured neither
+        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}+2".encode()).hexdigest()[:20]
         path = path or cache_dir() / f"decoder-cost-{key}.json"
         data = None
         if not refresh and path.is_file():
@@ -313,6 +315,7 @@ class CostModel:
         times: list[list[float]] = [[] for _ in range(k_max + 1)]
         todo = sorted(set(lengths)) if lengths else list(range(1, k_max + 2))
         weights = PackedLinears.of(target, packed)
+        block = batch == 1 and p.device.type == "cpu"
         with (context() if context is not None else torch.no_grad(),
               weights.active() if weights is not None else contextlib.nullcontext()):
             kv = cache_kw(target.forward)
@@ -320,7 +323,8 @@ class CostModel:
             for _ in range(reps):
                 for length in todo:  # interleaved: drift hits every length alike
                     t0 = time.perf_counter()
-                    target(ids[:, ctx_len: ctx_len + length], **{kv: cache}, use_cache=True)
+                    mask = causal_block(ctx_len, length, p.dtype) if block and length > 1 else None  # as `Run.inputs`
+                    target(ids[:, ctx_len: ctx_len + length], attention_mask=mask, **{kv: cache}, use_cache=True)
                     if p.device.type == "cuda":
                         torch.cuda.synchronize(p.device)
                     times[length - 1].append(time.perf_counter() - t0)

@@ -243,9 +243,11 @@ class SpeculativeDecoder(ProbeSwitch):
         """The call's state; with `drafting` False (plain rounds only) no cost curve, drafter buffers or n-gram
         index are set up, and with `model_drafters` False (n-gram alone) no drafter buffers."""
         check_call(input_ids, max_new_tokens, streamer)
-        device = next(self.target.parameters()).device
+        param = next(self.target.parameters())
+        device = param.device
         eos_ids = eos_list(eos)
-        run = Run(input_ids, attention_mask, max_new_tokens=max_new_tokens, k=self.k, eos=eos_ids, device=device)
+        run = Run(input_ids, attention_mask, max_new_tokens=max_new_tokens, k=self.k, eos=eos_ids, device=device,
+                  dtype=param.dtype)
         run.temperature, run.top_k, run.top_p, run.streamer = temperature, top_k, top_p, streamer
         run.gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         run.drafting, run.handed = drafting, False

@@ -16,9 +16,11 @@ layers").
 Every forward of the loop goes through the packed weights, one-token steps included: a one-token
 forward of the default target took 5.0-5.1 ms packed against 5.5 ms (batch 1) and 6.7 against 8.5 ms
 (batch 8; 8 rows through the 8192 x 192 head repack it on every call), median of 60 steps in 5
-interleaved repeats, 2-core VM. Packed and unpacked differ by a few ulps, no more than `F.linear`
-itself between 1 and 6 rows: a greedy token can differ from `generate`'s only where the target's top
-two logits tie to within that, as for any verify of several tokens. Until 2026-12-04 greedy calls kept
+interleaved repeats, 2-core VM. At a single row (batch 1, one token) only the head is packed: there
+F.linear is a matrix-vector product with nothing to repack, and faster than oneDNN (`MIN_ELEMENTS`).
+Packed and unpacked differ by a few ulps, no more than `F.linear` itself between 1 and 6 rows: a
+greedy token can differ from `generate`'s only where the target's top two logits tie to within that,
+as for any verify of several tokens. Until 2026-12-04 greedy calls kept
 `F.linear` for their one-token steps, bit for bit `generate`'s, and their plain rounds ran 0.92-0.93x
 `generate` at batch 8 (README, design notes "Verify's linear layers"); `packed="none"` still does that.
 
@@ -43,6 +45,10 @@ WHICH = ("all", "head", "none")
 # median of 1500). In the default target's forward of 6 tokens: 6.50 ms packing the gate/up/down projections and
 # the head, 6.88 ms packing every layer, 7.21 ms the head alone (median of 300 interleaved).
 MIN_ELEMENTS = 65536
+# A single row is a matrix-vector product, which F.linear does without repacking anything: there the MLP's
+# 640 x 192 projections took 12.8 us against 23.9 packed (2 threads, median of 5 x 2000), and a batch-1 one-token
+# forward of the default target 5.17 ms with them on F.linear against 5.38 ms packed (median of 150 interleaved).
+# The LM head stays packed at one row too (76 us against 189).
 
 
 def _ops_available() -> bool:
@@ -57,8 +63,9 @@ def _packable(layer: nn.Module) -> bool:
 
 
 class PackedLinears:
-    def __init__(self, layers: list[nn.Linear], kind: str) -> None:
+    def __init__(self, layers: list[nn.Linear], kind: str, head: nn.Module | None = None) -> None:
         self.layers, self.kind = layers, kind  # kind: "all" or "head" (what the cost curve was measured with)
+        self.head = head
         self._packed: list[tuple[tuple, object] | None] = [None] * len(layers)  # (weight key, forward)
 
     @classmethod
@@ -74,8 +81,8 @@ class PackedLinears:
         if sum(m.weight.numel() * 4 for m in layers) > max_bytes:
             layers = []  # a big model on the CPU: a second copy of every weight is not worth ~10 %
         if layers:
-            return cls(layers, "all")
-        return cls([head], "head") if _packable(head) else None
+            return cls(layers, "all", head)
+        return cls([head], "head", head) if _packable(head) else None
 
     def refresh(self) -> None:
         """Repack the weights that changed since they were packed (once per call of the loop, not per round:
@@ -84,7 +91,7 @@ class PackedLinears:
             w = layer.weight
             key = (w.data_ptr(), w._version, tuple(w.shape))
             if self._packed[i] is None or self._packed[i][0] != key:
-                self._packed[i] = (key, _packed_forward(layer))
+                self._packed[i] = (key, _packed_forward(layer, every_row=layer is self.head))
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -113,13 +120,14 @@ def _pointwise_op():  # noqa: ANN202
     return torch.ops.mkldnn._linear_pointwise
 
 
-def _packed_forward(layer: nn.Linear):  # noqa: ANN202
-    """The layer's forward over its weight packed now: oneDNN for fp32 [batch, len, in], else F.linear."""
+def _packed_forward(layer: nn.Linear, every_row: bool = True):  # noqa: ANN202
+    """The layer's forward over its weight packed now: oneDNN for fp32 [batch, len, in], else F.linear. With
+    `every_row` False a single row (a batch-1 one-token step) takes F.linear (see MIN_ELEMENTS)."""
     packed, weight, bias = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 8), layer.weight, layer.bias
     pointwise = _pointwise_op()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 3 and x.dtype == torch.float32:
+        if x.dim() == 3 and x.dtype == torch.float32 and (every_row or x.shape[0] * x.shape[1] > 1):
             return pointwise(x, packed, bias, "none", [], "")
         return F.linear(x, weight, bias)
 

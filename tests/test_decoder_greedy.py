@@ -234,6 +234,10 @@ def test_packed_weights_serve_multi_token_forwards_only_and_step_aside_for_hooks
         assert len(calls) == len(watched.layers)
         model(ids[:, :1])
         assert len(calls) == len(watched.layers), "F.linear again once the block ends"
+        with watched.active():  # a single row (batch 1, one token): F.linear is faster there, but for the head
+            single = model(ids[:1, :1]).logits
+        assert len(calls) == len(watched.layers) + 1
+    torch.testing.assert_close(single, one[:1], rtol=1e-5, atol=1e-5)
     # A changed weight is packed again (the loop refreshes at the start of each call), inside the model as well.
     with torch.no_grad():
         model.lm_head.weight.mul_(2)
