@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._probing import then_sync
 from ._state import SpecStats
 from ._verify import sample, target_probs, verify_greedy_rows, verify_rows
 
@@ -133,11 +134,11 @@ def oracle_bound(spec, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
                 res.accepted += acc
                 res.row_rounds += 1
         inp, positions, mask = run.inputs(chosen)
-        with spec.session.context(phase="verify", positions=positions, valid=torch.ones(1, 1, dtype=torch.bool)):
+        # the committed forward's features, sent at once on a CUDA model for the next round's drafts
+        ctx = spec.session.context(phase="verify", positions=positions, valid=torch.ones(1, 1, dtype=torch.bool))
+        with then_sync(ctx, spec.session, dev.type == "cuda"):
             spec.target(inp, attention_mask=mask, position_ids=positions, **{spec.cache_kw: run.cache},
                         use_cache=True)
-        if dev.type == "cuda":
-            spec.session.sync()  # the committed forward's features, for the next round's drafts
         kept = run.commit([a for _, a in used], nxt, chosen)
         start, end = run.advance()
         run.feeds.append((spec.session.step, start, end))

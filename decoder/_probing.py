@@ -88,13 +88,18 @@ class ProbeSwitch:
         else:
             ctx = self.session.context(phase="verify", seq_ids=run.seq_ids, positions=positions,
                                        valid=self._valid_on if self._capturing else self._valid_off)
-        return _then_sync(ctx, self.session) if run.device.type == "cuda" and self._capturing else ctx
+        return then_sync(ctx, self.session, run.device.type == "cuda" and self._capturing)
+
+
+def then_sync(ctx, session, cuda: bool):  # noqa: ANN001, ANN201
+    """`ctx`, then (`cuda`) the step's captures sent: on a CUDA model they otherwise wait for a later step
+    boundary, and the drafter reads them before the next forward (the loop reads the step's logits anyway).
+    The loop's forwards and the oracle bound's committed ones both go through here."""
+    return _synced(ctx, session) if cuda else ctx
 
 
 @contextlib.contextmanager
-def _then_sync(ctx, session):  # noqa: ANN001, ANN202
-    """`ctx`, then the step's captures sent: on a CUDA model they otherwise wait for a later step boundary,
-    and the drafter reads them before the next forward (the loop reads the step's logits anyway)."""
+def _synced(ctx, session):  # noqa: ANN001, ANN202
     with ctx:
         yield
     getattr(session, "sync", lambda: None)()
