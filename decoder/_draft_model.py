@@ -227,9 +227,7 @@ class LayerSkipDrafter(DraftModelDrafter):
             return None
         self._pending = None
         inner, length = self.target.model, n + 1
-        inp, positions, mask = run.inputs(drafts)
-        if mask is not None and mask.dim() == 4:  # a dense row's causal block: these layers build their own
-            mask = None
+        inp, positions, mask = run.inputs(drafts, block=False)  # `_layers` builds its mask per layer group
         if len(states) < length:  # the last draft never ran through the kept layers: only that token does now
             states.append(_layers(inner, 0, self.layers, inner.embed_tokens(inp[:, -1:]), positions[:, -1:], mask,
                                   run.cache))

@@ -20,9 +20,9 @@ interleaved repeats, 2-core VM. At a single row (batch 1, one token) only the he
 F.linear is a matrix-vector product with nothing to repack, and faster than oneDNN (`MIN_ELEMENTS`).
 Packed and unpacked differ by a few ulps, no more than `F.linear` itself between 1 and 6 rows: a
 greedy token can differ from `generate`'s only where the target's top two logits tie to within that,
-as for any verify of several tokens. Until 2026-12-04 greedy calls kept
-`F.linear` for their one-token steps, bit for bit `generate`'s, and their plain rounds ran 0.92-0.93x
-`generate` at batch 8 (README, design notes "Verify's linear layers"); `packed="none"` still does that.
+as for any verify of several tokens. Until 2026-12-04 greedy calls kept `F.linear` for their one-token
+steps, bit for bit `generate`'s, and their plain rounds ran 0.92-0.93x `generate` at batch 8 (README,
+design notes "Verify's linear layers"); `packed="none"` still does that.
 
 A layer is left alone while anything else wraps or hooks it (a probe on `logits`), and repacked when its
 weight changes. The packed copies cost the weights' size again in memory: past `max_bytes` (1 GiB) of

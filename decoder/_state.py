@@ -223,9 +223,11 @@ class Run:
             grown[:, : self.cols] = self.mask[:, : self.cols]
             self.mask = grown
 
-    def inputs(self, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(input ids [B, L], positions [B, L], attention mask [B, cols + L], or None where `dense`) for a verify
-        forward; `self.mask` is kept either way (trees and hand-overs read it)."""
+    def inputs(self, drafts: torch.Tensor,
+               block: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(input ids [B, L], positions [B, L], attention mask [B, cols + L]) for a verify forward; where `dense`,
+        None, or with `block` the additive [1, 1, L, cols + L] of a forward of several tokens on the CPU
+        (`causal_block`). `self.mask` is kept either way (trees and hand-overs read it)."""
         b, n = drafts.shape
         length = n + 1
         if b == 1:  # slices instead of index tensors: a third of this method's time at batch 1
@@ -240,7 +242,7 @@ class Run:
         self.mask[:, self.cols: self.cols + length] = 1
         if not self.dense:
             mask = self.mask[:, : self.cols + length]
-        elif self.block_dtype is not None and length > 1:
+        elif block and self.block_dtype is not None and length > 1:
             mask = causal_block(self.cols, length, self.block_dtype)
         else:
             mask = None

@@ -188,7 +188,7 @@ def test_probes_publish_during_the_decoders_own_calls_only() -> None:
     assert torch.equal(first.sequences, want) and torch.equal(again.sequences, want)
 
 
-def test_packed_weights_serve_multi_token_forwards_only_and_step_aside_for_hooks(monkeypatch) -> None:  # noqa: ANN001
+def test_packed_weights_serve_the_loops_forwards_and_step_aside_for_hooks(monkeypatch) -> None:  # noqa: ANN001
     """`decoder/_packed.py`: the verify forward's linear layers, their weights packed once for oneDNN."""
     import decoder._packed as packed_mod
     from decoder._packed import PackedLinears
