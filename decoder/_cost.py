@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from ._compat import cache_kw
+from ._kv import GrowingCache
 from ._packed import PackedLinears
 from ._state import causal_block
 
@@ -213,9 +213,10 @@ class CostModel:
         """`packed`: the loop's forwards use `PackedLinears` ("all" by default), so their curve does."""
         have = PackedLinears.of(target, packed)
         packed = have.kind if have is not None else "none"
-        # "+2": one-token forwards packed too (since 2026-12-04), but for the head at a single row, and a batch-1
-        # forward of several tokens with its own 4-D mask: a curve cached before measured neither
-        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}+2".encode()).hexdigest()[:20]
+        # "+3": one-token forwards packed too (since 2026-12-04), but for the head at a single row, a batch-1
+        # forward of several tokens with its own 4-D mask, and a KV cache written in place (`_kv.py`): a curve
+        # cached before measured none of them
+        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}+3".encode()).hexdigest()[:20]
         path = path or cache_dir() / f"decoder-cost-{key}.json"
         data = None
         if not refresh and path.is_file():
@@ -311,7 +312,7 @@ class CostModel:
         vocab = target.config.vocab_size
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(3, vocab, (batch, ctx_len + k_max + 1), generator=gen).to(p.device)
-        cache = DynamicCache()
+        cache = GrowingCache(capacity=ctx_len + k_max + 1)  # as the loop's (`_kv.py`)
         times: list[list[float]] = [[] for _ in range(k_max + 1)]
         todo = sorted(set(lengths)) if lengths else list(range(1, k_max + 2))
         weights = PackedLinears.of(target, packed)

@@ -28,6 +28,7 @@ from transformers.masking_utils import create_causal_mask
 from ._chain import draft_chain
 from ._compat import cache_kw
 from ._feeder import Drafts, Feed
+from ._kv import GrowingCache
 from ._sched import DraftPlan
 
 
@@ -63,8 +64,8 @@ class DraftModelDrafter:
 
     def prepare(self, batch: int, max_len: int) -> None:
         self.device = next(self.model.parameters()).device
-        self.cache = DynamicCache()
         self.mask = torch.zeros(batch, 2 * max_len + 16, dtype=torch.long, device=self.device)
+        self.cache = GrowingCache(capacity=self.mask.shape[1])  # written in place (`_kv.py`)
         self.cols = 0  # cache columns in use
         self.fed = [0] * batch  # per row: positions 0..fed-1 are in the cache
         self.last: list[int] | None = None  # per row: the newest committed position (its token is known)

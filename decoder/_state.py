@@ -14,7 +14,8 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+
+from ._kv import GrowingCache
 
 
 @dataclass
@@ -152,7 +153,7 @@ class Run:
         self.last = list(self.lens)  # position of the token that goes in next (its id is known)
         self.emitted = [0] * b
         self.done = [False] * b
-        self.cache = DynamicCache()
+        self.cache = GrowingCache(capacity=self.mask.shape[1] + 64)  # a tree's nodes fit too (`_kv.py`)
         self.stats = SpecStats(batch=b, accepted_at=[0] * k, offered_at=[0] * k)
         self.feeds: list[tuple] = []  # forwards the current model drafter has not read yet (feeds_by[cur])
         self.feeds_by: list[list[tuple]] = [self.feeds]  # per model drafter (slot)

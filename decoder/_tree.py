@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from ._kv import GrowingLayer
+
 
 @dataclass
 class Tree:
@@ -191,7 +193,11 @@ def verify_tree_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int
 def keep_path(cache: DynamicCache, cols: int, path: list[int]) -> None:
     """Keep the prefix, the root and the accepted nodes' K/V (batch 1); drop every other tree column."""
     idx = torch.tensor([*range(cols + 1), *(cols + 1 + i for i in path)])
+    kept = idx[cols + 1:]
     for layer in cache.layers:
+        if isinstance(layer, GrowingLayer):  # the loop's cache: moved up in place
+            layer.keep(cols + 1, kept.to(layer.device))
+            continue
         keys = layer.keys
         ix = idx.to(keys.device)
         layer.keys = keys.index_select(-2, ix)
