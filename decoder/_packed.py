@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._attention import gqa_attention
+
 WHICH = ("all", "head", "none")
 # Below this many weights oneDNN's fixed cost per call (~15 us) outweighs the repacking it saves: 6 rows through
 # 192 x 192, F.linear 14 us against 22 packed, 640 x 192 40 against 36, 8192 x 192 968 against 353 (1 thread,
@@ -63,9 +65,11 @@ def _packable(layer: nn.Module) -> bool:
 
 
 class PackedLinears:
-    def __init__(self, layers: list[nn.Linear], kind: str, head: nn.Module | None = None) -> None:
+    def __init__(self, layers: list[nn.Linear], kind: str, head: nn.Module | None = None,
+                 config: object = None) -> None:
         self.layers, self.kind = layers, kind  # kind: "all" or "head" (what the cost curve was measured with)
         self.head = head
+        self.config = config  # the target's: its attention is swapped too (`_attention.py`)
         self._packed: list[tuple[tuple, object] | None] = [None] * len(layers)  # (weight key, forward)
 
     @classmethod
@@ -80,9 +84,10 @@ class PackedLinears:
             if which == "all" else []
         if sum(m.weight.numel() * 4 for m in layers) > max_bytes:
             layers = []  # a big model on the CPU: a second copy of every weight is not worth ~10 %
+        config = getattr(target, "config", None)
         if layers:
-            return cls(layers, "all", head)
-        return cls([head], "head", head) if _packable(head) else None
+            return cls(layers, "all", head, config)
+        return cls([head], "head", head, config) if _packable(head) else None
 
     def refresh(self) -> None:
         """Repack the weights that changed since they were packed (once per call of the loop, not per round:
@@ -95,7 +100,8 @@ class PackedLinears:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """The packed weights for the forwards inside (those of fp32 activations of shape [batch, len, in])."""
+        """The packed weights for the forwards inside (those of fp32 activations of shape [batch, len, in]), and
+        the target's attention reading grouped K/V heads in place (`_attention.py`)."""
         if torch.is_grad_enabled():
             yield  # a forward that needs gradients: as it is
             return
@@ -109,7 +115,8 @@ class PackedLinears:
             own["forward"] = forward  # the instance dict itself: nn.Module.__setattr__ costs ~2 us a call
             swapped.append(own)
         try:
-            yield
+            with gqa_attention(self.config):
+                yield
         finally:
             for own in swapped:
                 del own["forward"]
