@@ -46,11 +46,10 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                   is_causal=is_causal, **kwargs)
 
 
-def _register() -> bool:
+def _register() -> None:
     if KEY not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         AttentionInterface.register(KEY, _attention)
         AttentionMaskInterface.register(KEY, sdpa_mask)
-    return True
 
 
 @contextlib.contextmanager

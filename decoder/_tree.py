@@ -193,10 +193,9 @@ def verify_tree_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int
 def keep_path(cache: DynamicCache, cols: int, path: list[int]) -> None:
     """Keep the prefix, the root and the accepted nodes' K/V (batch 1); drop every other tree column."""
     idx = torch.tensor([*range(cols + 1), *(cols + 1 + i for i in path)])
-    kept = idx[cols + 1:]
     for layer in cache.layers:
-        if isinstance(layer, GrowingLayer):  # the loop's cache: moved up in place
-            layer.keep(cols + 1, kept.to(layer.device))
+        if isinstance(layer, GrowingLayer):  # the loop's cache: the path's columns moved up in place
+            layer.keep(cols + 1, idx[cols + 1:].to(layer.device))
             continue
         keys = layer.keys
         ix = idx.to(keys.device)
