@@ -15,6 +15,7 @@ k every round with the given drafter (the classic loop, kept for comparison).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 
@@ -48,6 +49,23 @@ log = logging.getLogger("decoder")
 # third-party 1.72 / 1.78 / 1.82x, prose 1.84 / 1.83 / 1.85x (and 1.62 / 1.72x, 1.66 / 1.65x for k = 5 / 8 on
 # 12 prompts). A fixed schedule drafts exactly k every round, where 5 stays the better length.
 AUTO_K, FIXED_K = 8, 5
+
+
+def inference(fn):  # noqa: ANN001, ANN201
+    """Run a decoding call under `torch.inference_mode`, its output sequences copied out of it after.
+
+    Why: inference mode skips the version counters and view tracking that `no_grad` keeps for every op, and a
+    small model's forward is mostly per-op overhead: a one-token forward of the default target took 4.29 / 4.73
+    ms against 4.75 / 5.07 under `no_grad` (2 runs, median of 10 x 50 alternating, 2-core VM). What the call
+    creates (caches, the drafter's buffers) is an inference tensor, written only by later calls (inside the
+    mode again). The sequences handed back are cloned outside it: an inference tensor cannot be saved for a
+    backward pass, and a caller may well feed the output to a forward with gradients (a loss, a fine-tune)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs) -> SpecOutput:  # noqa: ANN002, ANN003
+        with torch.inference_mode():
+            out = fn(*args, **kwargs)
+        return SpecOutput(out.sequences.clone(), out.stats)
+    return call
 
 
 class SpeculativeDecoder(ProbeSwitch):
@@ -149,7 +167,7 @@ class SpeculativeDecoder(ProbeSwitch):
         self.close()
 
     # --- the loop ---------------------------------------------------------------------
-    @torch.no_grad()
+    @inference
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int = 32, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id: int | list[int] | None = None,

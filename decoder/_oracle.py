@@ -53,7 +53,7 @@ def simulated_seconds(stats: SpecStats, cost, prefill: float = 0.0) -> float:  #
     return total + stats.handover_steps * cost.verify(b, 1, frozen=True)  # the rest, as `generate`'s plain steps
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as the loop's calls (`_loop.inference`): it writes the buffers they made
 def oracle_bound(spec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,  # noqa: ANN001
                  max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = 0) -> OracleResult:

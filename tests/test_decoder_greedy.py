@@ -322,3 +322,36 @@ def test_a_transformers_release_that_names_the_cache_past_key_values() -> None:
             assert_same_or_near_tie(model, out.sequences, want, mask)
             tree = spec.generate(one, max_new_tokens=24, pad_token_id=PAD)  # batch 1: n-gram trees in auto
             assert torch.equal(tree.sequences, want_one), name
+
+
+def test_calls_run_in_inference_mode_and_hand_back_tensors_autograd_can_use(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The loop's forwards run under `torch.inference_mode` (cheaper per op than `no_grad`), yet nothing the
+    caller gets back is an inference tensor: the output feeds a forward with gradients, and the drafter still
+    trains after a call built its tables (its rope table, measuring its step for the cost curve, is one: an op
+    outside the mode reads it into an ordinary tensor, so it is never saved for backward as it is)."""
+    from decoder._train import TrainConfig, ttt_loss
+
+    model = build("llama", layers=8)
+    torch.manual_seed(3)
+    eagle = Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model)
+    monkeypatch.setenv("PROBEBUS_CACHE_DIR", str(tmp_path))  # the first call measures the curve, in the mode
+    modes: list[bool] = []
+    hook = model.register_forward_pre_hook(lambda m, a: modes.append(torch.is_inference_mode_enabled()))
+    ids = torch.tensor([[5, 17, 33, 9, 40, 41, 5, 17, 33]])
+    with SpeculativeDecoder(model, "auto", eagle=eagle, k=3) as spec:
+        spec.cost.paths.pick = lambda key, paths=None: "spec"
+        out = spec.generate(ids, max_new_tokens=16, pad_token_id=PAD)
+    hook.remove()
+    assert modes and all(modes)  # every forward: the curve's, the prefill, the rounds
+    assert not out.sequences.is_inference()
+    model.zero_grad()
+    model(out.sequences).logits.logsumexp(-1).sum().backward()
+    assert model.get_input_embeddings().weight.grad is not None
+
+    length, h = 6, model.config.hidden_size
+    toks = out.sequences[:, : length + 2]
+    feats = torch.randn(1, length, 3 * h)
+    targets = toks[:, 1: length + 1] % eagle.config.draft_vocab_size
+    loss, _ = ttt_loss(eagle, model.get_input_embeddings(), toks, feats, targets, TrainConfig(ttt_steps=2))
+    loss.backward()
+    assert eagle.fc.weight.grad is not None
