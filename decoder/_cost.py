@@ -213,10 +213,11 @@ class CostModel:
         """`packed`: the loop's forwards use `PackedLinears` ("all" by default), so their curve does."""
         have = PackedLinears.of(target, packed)
         packed = have.kind if have is not None else "none"
-        # "+4": one-token forwards packed too (since 2026-12-04), but for the head at a single row, a batch-1
-        # forward of several tokens with its own 4-D mask, a KV cache written in place (`_kv.py`), and grouped
-        # K/V heads read in place (`_attention.py`): a curve cached before measured none of them
-        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}+4".encode()).hexdigest()[:20]
+        # "+5": one-token forwards packed too (since 2026-12-04), but for the head at a single row, a batch-1
+        # forward of several tokens with its own 4-D mask, a KV cache written in place (`_kv.py`), grouped K/V
+        # heads read in place (`_attention.py`), and inference mode (`_loop.inference`): a curve cached before
+        # measured none of them
+        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}+5".encode()).hexdigest()[:20]
         path = path or cache_dir() / f"decoder-cost-{key}.json"
         data = None
         if not refresh and path.is_file():
