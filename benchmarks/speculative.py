@@ -82,14 +82,13 @@ NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "MTP attn": 
 ALL = ["plain", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3", "EAGLE-3 tree", "Medusa", "Medusa tree",
        "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several"]
 # A/B runs, named, never in 'all': the packed weights (LM head only, none), and n-gram trees (decoder/_ngram_tree.py)
-AB = ["plain, inference mode", "n-gram, packed=head", "auto, packed=head", "n-gram, packed=none", "auto, packed=none",
-      "n-gram tree",
-       "n-gram scheduled", "auto, chains", "loop, no drafter",  # the loop's own plain steps, no drafting
-       "auto, other drafter", "EAGLE-3, other drafter"]  # the drafter of --other-drafter (an A/B of two heads)
+AB = ["plain, inference mode",  # `generate` under the decoder's inference mode: what the mode alone is worth
+      "n-gram, packed=head", "auto, packed=head", "n-gram, packed=none", "auto, packed=none", "n-gram tree",
+      "n-gram scheduled", "auto, chains", "loop, no drafter",  # the loop's own plain steps, no drafting
+      "auto, other drafter", "EAGLE-3, other drafter"]  # the drafter of --other-drafter (an A/B of two heads)
 DEFAULT = ["plain", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
 OTHER: dict = {}  # "drafter": the head --other-drafter names, loaded once
-BASELINES = ("plain", "HF prompt lookup", "HF assisted",  # no probe attached, the target's own generate
-             "plain, inference mode")  # ... under torch.inference_mode, as the decoder's calls run (decoder/_loop.py)
+BASELINES = ("plain", "HF prompt lookup", "HF assisted", "plain, inference mode")  # no probe, the target's generate
 BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only
 
 
