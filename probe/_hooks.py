@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import _compiled
 from ._arch import Arch
 from ._copy import CopyPath
 from ._identity import PREFILL, IdentityTracker, StepIdentity, cache_length
@@ -140,6 +141,11 @@ class Hooks:
         self._warned: set[str] = set()
         self.defer = copy._cuda_device is None  # captures of small steps wait for the step's end (see above)
         self._deferred: list[tuple[SiteKey, torch.Tensor, int]] | None = None  # this step's, while deferring
+        # What taps traced by torch.compile stage: (the site's `_compiled.number`, tensor), filled once the graph
+        # has run (`_compiled.py`).
+        self._staged: list[tuple[int, torch.Tensor]] = []
+        self._keys: dict[int, SiteKey] = {}
+        self._fired = 0  # captures taken in this step outside the deferred list (see `end_step`)
 
     def change(self, op: str, names: list[str]) -> None:
         """Add or remove sites; from another thread while a forward may run, at the next step."""
@@ -154,6 +160,8 @@ class Hooks:
 
     def remove_all(self) -> None:
         with self._lock:
+            if self._staged and threading.get_ident() == self._model_thread:
+                self._take_staged()
             if self._deferred and threading.get_ident() == self._model_thread:
                 self._end_deferred()  # a forward that raised left its captures: they go out with the rest
             self._deferred = None  # (from another thread a forward may be running: its partial step is not sent)
@@ -173,7 +181,9 @@ class Hooks:
                 point = self.arch.locate(site)
                 key = SiteKey.of(site)
                 pre = point.kind == "pre"
-                self._handles[site] = tap(point.module, self._site_hook(key, pre), pre=pre)
+                index = _compiled.number(site)
+                self._keys[index] = key
+                self._handles[site] = tap(point.module, self._site_hook(key, index, pre), pre=pre)
                 self.active.add(site)
         else:
             for site in names:
@@ -181,7 +191,10 @@ class Hooks:
                 if h is not None and site not in self.active:
                     h.remove()  # type: ignore[attr-defined]
         if self._handles and not self._top:
-            self._top = [tap(self.model, self._on_step_start, pre=True), tap(self.model, self._on_step_end, pre=False)]
+            # Module hooks, not taps: they run in `Module.__call__`, so a `model.forward` compiled before or after
+            # attach leaves the step's identity to eager code (a tap would be inside the compiled forward).
+            self._top = [self.model.register_forward_pre_hook(_compiled.eager(self._on_step_start), with_kwargs=True),
+                         self.model.register_forward_hook(_compiled.eager(self._on_step_end))]
         elif not self._handles and self._top:
             for h in self._top:
                 h.remove()
@@ -189,23 +202,27 @@ class Hooks:
 
     # --- hot path ------------------------------------------------------------------------------
     def _on_step_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ref = ids if ids is not None else kwargs.get("inputs_embeds")
+        self._begin(ref, ids, kwargs.get("attention_mask"), cache_length(kwargs.get("cache",
+                                                                                    kwargs.get("past_key_values"))))
+
+    def _begin(self, ref: torch.Tensor | None, ids: torch.Tensor | None, mask: torch.Tensor | None,
+               past: int) -> None:
         self._model_thread = threading.get_ident()
         if self._pending:
             with self._lock:
                 for op, names in self._pending:
                     self._apply(op, names)
                 self._pending.clear()
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ref = ids if ids is not None else kwargs.get("inputs_embeds")
         if ref is None:
             self._ident = None
             return
         if self._deferred:  # the last forward raised before its end: its captures still go out
             self._end_deferred()
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         tracker = self.ids
-        self._ident = ident = tracker.begin(ids, kwargs.get("attention_mask"), cache_length(cache), ref.shape[0],
-                                            ref.shape[1], self.override, ref.device)
+        self._fired = 0
+        self._ident = ident = tracker.begin(ids, mask, past, ref.shape[0], ref.shape[1], self.override, ref.device)
         self._deferred = ([] if self.defer and ident.batch * ident.seq_len <= DEFER_ROWS
                           and not torch.is_inference_mode_enabled() else None)
         if tracker.warnings:
@@ -214,6 +231,18 @@ class Hooks:
             tracker.warnings.clear()
 
     def _on_step_end(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.end_step()
+
+    def end_step(self) -> None:
+        """The step is over: its deferred captures are copied and everything it staged goes to the publisher."""
+        if self._staged:
+            self._take_staged()
+        if self._ident is not None and self.active and not self._deferred and not self._fired:
+            self._warn_once("bypass", "probebus: a forward of the attached model ran none of its taps (no site "
+                            "captured anything): something runs the model without its modules' forwards, e.g. a "
+                            "graph exported or compiled elsewhere (torch.export, AOTInductor, a CUDA graph "
+                            "captured by hand). Attach before exporting, or compile with torch.compile, whose "
+                            "graphs keep the taps")
         if self._deferred:
             self._end_deferred()
         self._ident = self._deferred = None
@@ -223,26 +252,44 @@ class Hooks:
         except Exception as exc:  # never crash the model being observed
             self._warn_once(repr(type(exc)), f"probebus: sending a step's captures failed: {exc!r}")
 
-    def _site_hook(self, key: SiteKey, pre: bool) -> Callable:
+    def _site_hook(self, key: SiteKey, index: int, pre: bool) -> Callable:
         """The tap of one site: before its module's forward (`pre`: the tensor is its input) or after it.
 
         A closure over what it reads: between the model's layers every object a hook touches is a cache miss,
         and a partial of a bound method touched three more than this. One closure serves both kinds (`third`
-        is the forward's kwargs before it, its output after it), so their logic cannot drift apart."""
+        is the forward's kwargs before it, its output after it), so their logic cannot drift apart. Traced by
+        torch.compile, it stages the tensor for the step's end instead (`_take_staged`, `_compiled.py`)."""
         active, name, tensor, capture = self.active, key.name, torch.Tensor, self._capture
+        compiling, staged = torch.compiler.is_compiling, self._staged
 
         def hook(module: nn.Module, args: tuple, third: object) -> None:
             if pre:
                 t = args[0] if args else third.get("hidden_states")  # type: ignore[attr-defined]
             else:
                 t = third[0] if isinstance(third, (tuple, list)) else third
-            if isinstance(t, tensor) and name in active:
+            if compiling():
+                staged.append((index, t))
+            elif isinstance(t, tensor) and name in active:
                 deferred = self._deferred
                 if deferred is not None:
                     deferred.append((key, t, t._version))
                 else:
                     capture(key, t)
         return hook
+
+    def _take_staged(self) -> None:
+        """The tensors that taps traced by torch.compile staged (`_compiled.py`), each taken as its tap takes one in
+        eager mode. They are outputs of the graph, which nothing writes into later."""
+        staged, active, keys = self._staged, self.active, self._keys
+        for index, t in staged:
+            key = keys.get(index)
+            if key is not None and key.name in active and isinstance(t, torch.Tensor):
+                deferred = self._deferred
+                if deferred is not None:
+                    deferred.append((key, t, t._version))
+                else:
+                    self._capture(key, t)
+        staged.clear()
 
     def _end_deferred(self) -> None:
         """Capture the step's deferred tensors, in the order their hooks ran."""
@@ -261,6 +308,7 @@ class Hooks:
 
     def _capture(self, key: SiteKey, t: torch.Tensor, *, hold: bool = True) -> None:
         cp = self._copy
+        self._fired += 1
         try:
             ident = self._ident
             if ident is None:  # the layer ran outside a forward of the attached model: no step end follows

@@ -243,8 +243,25 @@ class IdentityTracker:
             if width == seq_len:  # a mask of the new tokens only
                 new = host_array(mask, np.int64)
                 return self._advance(np.full(batch, past, dtype=np.int64), new, -1)
+        if (mask is not None and mask.dim() == 4 and mask.shape[0] == batch and mask.shape[2] == seq_len
+                and mask.shape[3] >= past + seq_len):
+            return self._positions_4d(mask, batch, seq_len, past)
         self._count = None
         return np.arange(past, past + seq_len, dtype=np.int64)[None, :], None
+
+    def _positions_4d(self, mask: torch.Tensor, batch: int, seq_len: int,
+                      past: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The same from a 4-D mask [B, 1, S, keys] (generate passes one with a static cache): a token is real
+        where it may attend to itself (padding sees nothing); the real tokens before this step are what the
+        step's first token may attend to among the cached keys, unless carried from the previous step."""
+        allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+        diag = torch.arange(seq_len)
+        new = host_array(allowed[:, diag, past + diag], np.int64)
+        if self._count is not None and past > 0 and past == self._expect_width and len(self._count) == batch:
+            start = np.asarray(self._count)
+        else:
+            start = host_array(allowed[:, 0, :past], np.int64).sum(1)
+        return self._advance(start, new, past + seq_len)
 
     def _advance(self, start: np.ndarray, new: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray | None]:
         if new.shape[1] == 1:  # decode: one token per row

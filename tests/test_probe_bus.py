@@ -202,7 +202,7 @@ def test_pause_takes_the_taps_off_without_changing_the_announced_sites() -> None
 
 
 def test_taps_keep_a_replaced_forward_and_the_signature_transformers_reads() -> None:
-    """Sites are taps on `forward` (not hooks): a forward that something else put on the instance first (as
+    """Sites are taps on `forward` (not hooks; the model's step hooks are hooks, outside a compiled forward): a forward that something else put on the instance first (as
     accelerate does) is the one called, and is put back on close; one wrapped over ours afterwards survives the
     close and still reaches the module; `generate` sees forward's own parameters throughout."""
     model = build("llama")
@@ -224,7 +224,9 @@ def test_taps_keep_a_replaced_forward_and_the_signature_transformers_reads() -> 
     sub = probe.Subscriber(session.endpoint)
     session.wait_for_subscribers(1)
     assert inspect.signature(model.forward).parameters == params and "logits_to_keep" in params
-    assert tapped(model) == 4 and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert tapped(model) == 4 and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()
+                                          if m is not model)
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
     ours = layer1.forward
 
     def later(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202

@@ -1,0 +1,56 @@
+"""Taps inside a compiled model: what a tap does while torch.compile traces it.
+
+    model.forward = torch.compile(model.forward, fullgraph=True)   # before or after attach
+    with probe.attach(model, "layers.*.resid_post") as s:
+        model.generate(**inputs, cache_implementation="static")     # captured as in eager mode
+
+While Dynamo traces a tapped module (`torch.compiler.is_compiling()`), a site's tap does not run
+the copy path: it appends `(site index, tensor)` to a list the session owns (`Hooks._staged`).
+Dynamo records that as a side effect of the graph: the tensor becomes one more output of the
+graph, and once the graph has run the list holds the real tensors. The graph stays whole
+(`fullgraph=True` holds), Inductor compiles the model as it would without probes, and nothing
+of probebus runs inside it. The step's end, which runs as eager code after the graph, hands each
+tensor to the copy path as an eager tap would (`Hooks.take_staged`): a deferred capture of a small
+step, a copy of a larger one. A graph output is a fresh tensor that nothing writes into later.
+
+The step's identity is read outside the graph: the model's step hooks are `nn.Module` hooks,
+which run in `Module.__call__`, around a compiled `forward`. Where the whole call is compiled
+(`torch.compile(model)`, transformers' compiled generate), they are marked for Dynamo to run as
+eager code (`eager`): one graph break before the forward and one after it. With
+`fullgraph=True` on the whole call that is an error from Dynamo naming them; compile
+`model.forward` instead (transformers' documented recipe), which keeps every graph whole.
+
+Recompiles: Dynamo guards on a module's `forward`, so attaching to a model compiled earlier
+compiles it once more with the taps in it (each graph: the prefill's and the decode step's). A
+tap carries only constants that stay the same when it is put back (`number`), so taking the taps
+off (close, pause) goes back to the graphs compiled without them, and putting the same set back
+(resume, a second session) finds its graphs in Dynamo's cache: neither compiles anything. Each
+other set of tapped modules (another site list, `remove()` of a module's last site) is one more
+compile, and one more entry of Dynamo's cache, which `torch._dynamo.config.recompile_limit`
+bounds (8 by default; past it Dynamo runs the code eagerly, or fails under `fullgraph=True`).
+Measured in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+_numbers: dict[str, int] = {}
+
+
+def number(site: str) -> int:
+    """The number a traced tap stages its site's tensor under: one per site name in this process, so that a tap
+    put back (resume, a second session) carries the same constant into the graph and Dynamo's guards, which
+    compare it, find the graph compiled before instead of compiling another."""
+    return _numbers.setdefault(site, len(_numbers))
+
+
+def eager(fn: Callable) -> Callable:
+    """`fn`, which Dynamo will run as eager code (a graph break) wherever it meets it inside a compiled call.
+    Dynamo is loaded by transformers before any model is; where it is not, nothing compiles the model yet."""
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    return torch._dynamo.disable(fn, reason="probebus: a step's identity is read outside the graph")
