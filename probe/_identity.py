@@ -210,8 +210,13 @@ class IdentityTracker:
             return None
         if mask is not None:
             count = self._count
-            if (count is None or len(count) != batch or past != self._expect_width
-                    or mask.shape != (batch, past + 1) or 0 in mask.numpy()[:, -1].tolist()):
+            if count is None or len(count) != batch or past != self._expect_width:
+                return None
+            if mask.dim() == 4:  # a static cache's [B, 1, 1, keys]: the new token sees itself unless it is padding
+                if mask.shape[:3] != (batch, 1, 1) or mask.shape[3] <= past or mask.dtype != torch.bool \
+                        or not mask[:, 0, 0, past].all():
+                    return None
+            elif mask.shape != (batch, past + 1) or 0 in mask.numpy()[:, -1].tolist():
                 return None
         tok = [row[0] for row in ids.tolist()]
         if self._stop_set and not self._stop_set.isdisjoint(tok):
