@@ -1,7 +1,9 @@
 """`probebus generate`, `probebus train-drafter` and `probebus serve-drafter`: the decoder package on the command line.
 
-    probebus generate --model default --prompt "def parse(" --max-new-tokens 64     # scheduled EAGLE-3
-    probebus generate --model default --drafter auto --prompts p.jsonl --json
+    probebus generate --model default --prompt "def parse(" --max-new-tokens 64     # auto: EAGLE-3 + n-gram
+    probebus generate --model MY_MODEL --prompt "def parse("      # no drafter beside it: n-gram, said in one line
+    probebus generate --model default --drafter medusa --prompts p.jsonl --json
+    probebus generate --model default --drafter tcp://127.0.0.1:5600 --prompt "x"   # a `serve-drafter` process
     probebus train-drafter --model default --recording rec/ --out my-drafter/
     probebus serve-drafter --bind tcp://127.0.0.1:5600 --model default             # decoder.RemoteEagle(addr)
 
@@ -13,9 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
+#: every --drafter name `probebus generate` takes (a folder or a served drafter's address besides)
+DRAFTER_NAMES = ("auto", "default", "eagle3", "eagle3-tree", "medusa", "medusa-tree", "mtp", "mtp-attn", "clustered",
+                 "dspark", "draft-model", "layer-skip", "ngram", "none")
+REMOTE = ("tcp://", "ipc://")
+REMOTE_TIMEOUT_S = 30.0  # a served drafter's answer (each call); the first waits for a server still starting
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,17 +41,20 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text, optionally with speculative decoding",
-                       description="Generate from a model with a drafter: default (the EAGLE-3 head shipped with the "
-                       "model), medusa (Medusa heads), draft-model (a separate small model), layer-skip (the "
-                       "model's own first layers), ngram (prompt lookup), auto (EAGLE-3 and n-gram), none, or PATH "
-                       "(a drafter folder: EAGLE-3 in either public layout, Medusa, a causal LM, a layer-skip "
-                       "measurement). A scheduler picks per round and row the method and draft length from "
-                       "measured costs and acceptance estimates, and takes plain steps when nothing pays. Greedy "
-                       "output equals plain decoding; sampling follows the target's distribution exactly.")
+                       description="Generate from a model with a drafter: auto (the default: the EAGLE-3 head "
+                       "shipped beside the model plus n-gram, or n-gram alone where the model has none), default or "
+                       "eagle3 (the EAGLE-3 head alone), eagle3-tree, medusa, medusa-tree (Medusa heads), mtp, "
+                       "mtp-attn, clustered, dspark, draft-model (a separate small model), layer-skip (the model's "
+                       "own first layers), ngram (prompt lookup), none (plain decoding), PATH (a drafter folder: "
+                       "EAGLE-3 in either public layout, Medusa, MTP, DSpark, a causal LM, a layer-skip "
+                       "measurement) or ADDRESS (tcp://... or ipc://...: an EAGLE-3 drafter served by `probebus "
+                       "serve-drafter --bind ADDRESS`). A scheduler picks per round and row the method and draft "
+                       "length from measured costs and acceptance estimates, and takes plain steps when nothing "
+                       "pays. Greedy output equals plain decoding; sampling follows the target's distribution exactly.")
     _common(p)
-    p.add_argument("--drafter", default="default",
-                   help="default | eagle3 | eagle3-tree | medusa | medusa-tree | mtp | mtp-attn | clustered | dspark | "
-                   "draft-model | layer-skip | ngram | auto | none | PATH (default: %(default)s)")
+    p.add_argument("--drafter", default="auto",
+                   help=f"{' | '.join(DRAFTER_NAMES)} | PATH | tcp://HOST:PORT | ipc://PATH (a served drafter) "
+                   "(default: %(default)s; a model with no trained drafter beside it drafts with n-gram)")
     p.add_argument("--tree", type=int, default=None, help="verify draft trees of up to N nodes in one forward "
                    "(batch 1, EAGLE-3 or Medusa; default: 24 for the -tree names, else 0 = chains)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -156,7 +167,15 @@ def load_target(args: argparse.Namespace, need_tokenizer: bool = True):  # noqa:
 def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: bool = False,
                  endpoint: str | None = None, refresh_cost: bool = False, tree: int | None = None):  # noqa: ANN201 - a SpeculativeDecoder
     """The decoder for a --drafter value; raises DrafterError for a bad drafter."""
-    from decoder import CostModel, NgramDrafter, SpeculativeDecoder, load_drafter, load_named_drafter, tree_nodes
+    from decoder import (
+        CostModel,
+        DrafterError,
+        NgramDrafter,
+        SpeculativeDecoder,
+        load_drafter,
+        load_named_drafter,
+        tree_nodes,
+    )
 
     schedule = "fixed" if fixed else "auto"
     if drafter == "none":
@@ -167,11 +186,27 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
                          "auto to get one")
     if drafter == "ngram":
         return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
-    if drafter == "auto":
+    if drafter == "auto":  # with --fixed: the one method that exists, EAGLE-3 where it ships, else n-gram
+        try:
+            eagle = load_drafter("default", model)
+        except DrafterError:
+            if endpoint is not None:
+                raise UsageError("--endpoint: this model has no trained drafter beside it, so --drafter auto drafts "
+                                 "with n-gram and runs no probe session; train one (probebus train-drafter) or drop "
+                                 "--endpoint") from None
+            where = getattr(model.config, "_name_or_path", "") or "the model"
+            print(f"probebus generate: no trained drafter beside {where}; drafting with n-gram (train one: probebus "
+                  "train-drafter)", file=sys.stderr)
+            return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
         if fixed:
-            raise UsageError("--fixed drafts with one method; give --drafter default, PATH or ngram")
-        return SpeculativeDecoder(model, "auto", eagle=load_drafter("default", model), k=k, endpoint=endpoint,
-                                  cost=cost)
+            return SpeculativeDecoder(model, eagle, k=k, schedule=schedule, endpoint=endpoint, cost=cost)
+        return SpeculativeDecoder(model, "auto", eagle=eagle, k=k, endpoint=endpoint, cost=cost)
+    if drafter.startswith(REMOTE):
+        return SpeculativeDecoder(model, _remote(drafter), k=k, schedule=schedule, endpoint=endpoint, cost=cost,
+                                  tree=0)
+    if drafter not in DRAFTER_NAMES and not Path(drafter).is_dir():
+        raise UsageError(f"--drafter {drafter!r}: not a name ({', '.join(DRAFTER_NAMES)}), a drafter folder, nor a "
+                         "served drafter's address (tcp://HOST:PORT or ipc://PATH, from probebus serve-drafter)")
     loaded = load_named_drafter(drafter, model)
     if endpoint is not None and getattr(loaded, "sites", None) == []:
         raise UsageError(f"--endpoint: --drafter {drafter} reads token ids only, so no probe session runs; use "
@@ -181,6 +216,17 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
         return SpeculativeDecoder(model, loaded, k=k, schedule=schedule, endpoint=endpoint, cost=cost, tree=nodes)
     except ValueError as exc:  # a tree for a drafter that cannot grow one
         raise UsageError(f"--drafter {drafter}: {exc}") from None
+
+
+def _remote(address: str):  # noqa: ANN202 - a decoder.RemoteEagle
+    """A served drafter (probebus serve-drafter --bind ADDRESS), or one line saying how to start one."""
+    from decoder import RemoteEagle
+
+    try:
+        return RemoteEagle(address, timeout=REMOTE_TIMEOUT_S)
+    except TimeoutError:
+        raise UsageError(f"--drafter {address}: no drafter answered within {REMOTE_TIMEOUT_S:g} s; start one with "
+                         f"probebus serve-drafter --bind {address} --model MODEL") from None
 
 
 def _check_generate(args: argparse.Namespace) -> None:
@@ -200,6 +246,9 @@ def _check_generate(args: argparse.Namespace) -> None:
         raise UsageError(f"--tree must be between 0 and 64 nodes, got {args.tree}")
     if args.tree and args.drafter in ("ngram", "none", "auto"):
         raise UsageError(f"--tree needs a drafter that scores alternatives (EAGLE-3 or Medusa), not {args.drafter}")
+    if args.tree and args.drafter.startswith(REMOTE):
+        raise UsageError("--tree: a served drafter drafts chains; drop --tree or load the drafter here "
+                         "(--drafter PATH)")
     if args.endpoint is not None and args.drafter == "none":
         raise UsageError("--endpoint: --drafter none runs without a probe session; use --drafter default or auto")
 
