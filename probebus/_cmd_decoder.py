@@ -23,6 +23,7 @@ import torch
 DRAFTER_NAMES = ("auto", "default", "eagle3", "eagle3-tree", "medusa", "medusa-tree", "mtp", "mtp-attn", "clustered",
                  "dspark", "draft-model", "layer-skip", "ngram", "none")
 REMOTE = ("tcp://", "ipc://")
+SEPARATOR = "-" * 40  # between the completions of several prompts (not --json)
 REMOTE_TIMEOUT_S = 30.0  # a served drafter's answer (each call); the first waits for a server still starting
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -205,7 +206,7 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
         return SpeculativeDecoder(model, _remote(drafter), k=k, schedule=schedule, endpoint=endpoint, cost=cost,
                                   tree=0)
     if drafter not in DRAFTER_NAMES and not Path(drafter).is_dir():
-        raise UsageError(f"--drafter {drafter!r}: not a name ({', '.join(DRAFTER_NAMES)}), a drafter folder, nor a "
+        raise UsageError(f"--drafter {drafter!r}: not a name ({', '.join(DRAFTER_NAMES)}) nor a folder, nor a "
                          "served drafter's address (tcp://HOST:PORT or ipc://PATH, from probebus serve-drafter)")
     loaded = load_named_drafter(drafter, model)
     if endpoint is not None and getattr(loaded, "sites", None) == []:
@@ -283,6 +284,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             enc = tok(chunk, return_tensors="pt", padding=True)
             streamer = None
             if stream:
+                if i:
+                    print(SEPARATOR, flush=True)
                 print(chunk[0] + bold, end="", flush=True)
                 streamer = _TextStream(tok)
             out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=args.max_new_tokens,
@@ -291,6 +294,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             all_stats.append(out.stats)
             stats = out.stats.as_dict()
             for r, prompt in enumerate(chunk):
+                if i + r and not args.json and not stream:  # several prompts' completions: a rule between
+                    print(SEPARATOR, flush=True)
                 new = out.sequences[r, enc.input_ids.shape[1]:].tolist()
                 if tok.pad_token_id is not None and eos != tok.pad_token_id:
                     new = [t for t in new if t != tok.pad_token_id]
@@ -302,17 +307,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 else:
                     print(f"{prompt}{bold}{text}{plain}", flush=True)
             if not args.json:
-                print(f"[{args.drafter}] {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, "
-                      f"{stats['tokens_per_forward']:.2f} tokens/forward, rounds: {stats['eagle_rounds']} "
-                      f"{'+'.join(stats['by_drafter']) or 'model drafter'}, {stats['ngram_rounds']} n-gram, "
-                      f"{stats['tree_rounds']} tree, {stats['plain_rounds']} plain; acceptance by position "
-                      f"{[round(a, 2) for a in stats['acceptance']]}", file=sys.stderr)
+                print(_stats_line(args.drafter, stats), file=sys.stderr)
     if args.plot:
         from decoder._plot import plot_stats
 
         for path in plot_stats(all_stats, args.plot, title=f"--drafter {args.drafter}"):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _stats_line(drafter: str, stats: dict) -> str:
+    """One line per batch; acceptance by draft position only where some round drafted."""
+    line = (f"[{drafter}] {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, "
+            f"{stats['tokens_per_forward']:.2f} tokens/forward, rounds: {stats['eagle_rounds']} "
+            f"{'+'.join(stats['by_drafter']) or 'model drafter'}, {stats['ngram_rounds']} n-gram, "
+            f"{stats['tree_rounds']} tree, {stats['plain_rounds']} plain")
+    if not stats["drafted"]:
+        return line + "; no drafts made, so no acceptance"
+    return line + f"; acceptance by position {[round(a, 2) for a in stats['acceptance']]}"
 
 
 class _TextStream:

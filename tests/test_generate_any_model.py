@@ -105,3 +105,27 @@ def test_served_drafter_by_address(tmp_path: Path, capsys: pytest.CaptureFixture
     code, plain, _ = _gen(["--prompt", "def parse(argv):\n", "--max-new-tokens", "16", "--no-stream", "--json",
                            "--drafter", "none"], capsys)
     assert json.loads(plain.strip().splitlines()[-1])["token_ids"] == row["token_ids"]
+
+
+def test_several_prompts_without_streaming_are_separated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from probebus._cmd_decoder import SEPARATOR
+
+    prompts = ["def add(a, b):\n", "import os\n", "class Queue:\n"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(f'{{"prompt": {p!r}}}\n'.replace("'", '"') for p in prompts))
+    for extra in (["--no-stream"], ["--no-stream", "--batch-size", "2"], ["--stream"]):
+        code, out, err = _gen(["--prompts", str(path), "--max-new-tokens", "6", "--drafter", "none", *extra], capsys)
+        assert code == 0, err
+        parts = out.split(SEPARATOR + "\n")
+        assert len(parts) == 3, (extra, out)
+        for part, prompt in zip(parts, prompts, strict=True):
+            assert part.startswith(prompt) and len(part) > len(prompt) + 1, (extra, part)
+
+
+def test_no_acceptance_printed_when_nothing_drafted(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _gen(["--prompt", "import os\n", "--max-new-tokens", "6", "--no-stream", "--drafter", "none"],
+                        capsys)
+    assert code == 0 and "acceptance by position" not in err and "no drafts made" in err, err
+    code, _, err = _gen(["--prompt", "import os\n", "--max-new-tokens", "12", "--no-stream", "--drafter", "default"],
+                        capsys)
+    assert code == 0 and "acceptance by position [" in err, err
