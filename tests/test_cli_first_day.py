@@ -60,3 +60,62 @@ def test_inspect_plot_scales_each_kind_of_site_on_its_own(recording: Path, tmp_p
         data = np.asarray(im.get_array(), dtype=float)
         assert im.get_clim() == pytest.approx((np.nanmin(data), np.nanmax(data)))
     assert resid.get_clim()[1] < logits.get_clim()[0] or logits.get_clim()[1] < resid.get_clim()[0]
+
+
+def _sites(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str], str]:
+    """`probebus sites default --json ARGS`: exit status, the selected site names, stderr."""
+    try:
+        code = main(["sites", "default", "--json", *args])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    cap = capsys.readouterr()
+    import json
+
+    return code, (json.loads(cap.out)["sites"] if code == 0 else []), cap.err
+
+
+RESID_POST = [f"layers.{i}.resid_post" for i in range(8)]
+
+
+@pytest.mark.parametrize("pattern, want", [
+    ("layers.*.resid_post", RESID_POST),                      # the strict grammar, unchanged
+    ("layers.0:8.mlp_out", [f"layers.{i}.mlp_out" for i in range(8)]),
+    ("layers.-3.resid_pre", ["layers.5.resid_pre"]),
+    ("resid_post", RESID_POST),                               # part of a name
+    ("*.resid_post", RESID_POST),                             # a shell glob
+    ("layers.[12].mlp_out", ["layers.1.mlp_out", "layers.2.mlp_out"]),
+    ("layers.3", [f"layers.3.{n}" for n in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")]),
+    ("final", ["final_norm"]),
+])
+def test_sites_match_accepts_patterns_people_type(pattern: str, want: list[str],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    code, listing, err = _sites(capsys, "--match", pattern)
+    assert code == 0, err
+    assert listing == want
+
+
+def test_a_pattern_that_selects_nothing_explains_the_grammar(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _sites(capsys, "--match", "residual_post")
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("Loading")]
+    assert code == 2 and len(lines) == 1, err
+    for part in ("'residual_post'", "layers.SEL.NAME", "shell glob", "part of a name", "available sites"):
+        assert part in lines[0], lines[0]
+
+
+def test_a_subscriber_takes_loose_patterns_too() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import probe
+    from probebus.models import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("default")).eval()
+    tok = AutoTokenizer.from_pretrained(resolve_model("default"))
+    with probe.attach(model, "*.resid_post,logits") as session:
+        sub = probe.Subscriber(session.endpoint, sites="resid_post")
+        session.wait_for_subscribers(1)
+        with torch.no_grad():
+            model.generate(**tok(["import os\n"], return_tensors="pt"), max_new_tokens=3, do_sample=False)
+    assert {cap.site for cap in sub} == set(RESID_POST)
+    with pytest.raises(probe.SiteError, match="part of a name"):
+        probe.SiteMatcher("residual_post")
