@@ -119,3 +119,46 @@ def test_a_subscriber_takes_loose_patterns_too() -> None:
     assert {cap.site for cap in sub} == set(RESID_POST)
     with pytest.raises(probe.SiteError, match="part of a name"):
         probe.SiteMatcher("residual_post")
+
+
+def test_tables_are_not_clipped_when_stdout_is_not_a_terminal(tmp_path: Path) -> None:
+    """Piped (a log, CI, tee): rich's 80 columns wrapped the summary's rows; every row stays on one line."""
+    r = _probebus("record", "--model", "default", "--prompt", "import os\n", "--max-new-tokens", "3", "--sites",
+                  "layers.0.resid_post", "--out", str(tmp_path / "rec"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lost = [ln for ln in r.stderr.splitlines() if "lost" in ln]
+    assert len(lost) == 1 and "malformed frames ignored)" in lost[0], r.stderr
+    assert "in 1 file " in r.stderr and "1 files" not in r.stderr  # one site, one shape: one file
+    r = _probebus("inspect", str(tmp_path / "rec"), cwd=tmp_path, COLUMNS="")
+    assert r.returncode == 0 and "\x1b[" not in r.stdout
+    assert any("model" in ln and "(config " in ln and ln.rstrip().endswith(")") for ln in r.stdout.splitlines())
+
+
+def test_an_interrupted_recording_says_so_in_its_status(tmp_path: Path) -> None:
+    import json
+    import signal
+    import time
+
+    out = tmp_path / "rec"
+    cmd = [sys.executable, "-m", "probebus", "record", "--model", "default", "--prompt", "def main():\n", "--sites",
+           "layers.*.resid_post", "--max-new-tokens", "900", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:  # wait until rows are being written
+            try:
+                if json.loads((out / "_manifest.json").read_text())["counts"]["rows"] > 0:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    status = [ln for ln in err.splitlines() if "status" in ln]
+    assert len(status) == 1 and "stopped by SIGINT" in status[0] and "complete up to there" in status[0], err
+    assert "probebus record: stopped by SIGINT" in err
