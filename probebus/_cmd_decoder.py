@@ -111,11 +111,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch", type=int, default=8, help="windows per step (default: %(default)s)")
     t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
     t.add_argument("--holdout", type=float, default=0.05, help="share of sequences held out for the acceptance "
-                   "report (default: %(default)s)")
+                   "report, at least one where the recording has two or more (default: %(default)s)")
     t.add_argument("--soft", action="store_true", help="eagle3: train against the target's whole next-token "
                    "distribution (EAGLE's objective; record final_norm with the feature sites) instead of the "
                    "recorded tokens: more of its sampled drafts are accepted")
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a training state")
+    t.add_argument("--json", action="store_true", help="print the metrics as one JSON object instead of a table")
     t.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("serve-drafter", help="serve an EAGLE-3 drafter to a loop in another process",
@@ -378,14 +379,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError) as exc:  # unreadable, incomplete or foreign recordings
         return _fail("train-drafter", f"{rec}: {exc}" if str(rec) not in str(exc) else exc)
     keys = ("sequences", "heldout_sequences", "tokens", "resumed_from", "step", "loss", "acc", "seconds", "heldout")
-    print(json.dumps({k: metrics[k] for k in keys if k in metrics}))
-    held = metrics.get("heldout")
-    if held:
-        print(f"held-out acceptance by draft position ({held['sequences']} sequences): "
-              f"{[round(a, 3) for a in held['acceptance']]}, tau {held['tau']}", file=sys.stderr)
+    _report(args, {k: metrics[k] for k in keys if k in metrics}, "eagle3")
     print(f"drafter written to {args.out} (speculators layout); try: probebus generate --model {args.model} "
           f"--drafter {args.out} --prompt '...'", file=sys.stderr)
     return 0
+
+
+def _report(args: argparse.Namespace, metrics: dict, method: str) -> None:
+    """The metrics as a table (or one JSON line with --json), and a line when no held-out report was made."""
+    from exporters._console import make_console
+    from probebus._train_view import heldout_note, train_table
+
+    if args.json:
+        print(json.dumps(metrics))
+    else:
+        make_console().print(train_table(method, metrics, args.out))
+    note = heldout_note(metrics, args.holdout)
+    if note:
+        print(f"probebus train-drafter: {note}", file=sys.stderr)
 
 
 def _train_other(args: argparse.Namespace, model: torch.nn.Module, rec) -> int:  # noqa: ANN001
@@ -429,7 +440,7 @@ def _train_other(args: argparse.Namespace, model: torch.nn.Module, rec) -> int: 
         return _fail("train-drafter", exc)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         return _fail("train-drafter", f"{rec}: {exc}" if str(rec) not in str(exc) else exc)
-    print(json.dumps({k: v for k, v in metrics.items() if k != "table"}))
+    _report(args, {k: v for k, v in metrics.items() if k != "table"}, args.method)
     print(f"{args.method} drafter written to {args.out}; try: probebus generate --model {args.model} "
           f"--drafter {args.out} --prompt '...'", file=sys.stderr)
     return 0

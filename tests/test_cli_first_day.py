@@ -162,3 +162,28 @@ def test_an_interrupted_recording_says_so_in_its_status(tmp_path: Path) -> None:
     status = [ln for ln in err.splitlines() if "status" in ln]
     assert len(status) == 1 and "stopped by SIGINT" in status[0] and "complete up to there" in status[0], err
     assert "probebus record: stopped by SIGINT" in err
+
+
+def test_train_drafter_on_a_small_recording_holds_one_out_and_ends_with_a_table(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def add(a, b):\nimport os\nclass Queue:\nfor i in range(10):\n")
+    r = _probebus("record", "--model", "default", "--prompts", str(prompts), "--sites",
+                  "layers.2.resid_pre,layers.4.resid_pre,layers.5.resid_pre", "--max-new-tokens", "24", "--out",
+                  str(tmp_path / "rec"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = _probebus("train-drafter", "--model", "default", "--recording", str(tmp_path / "rec"), "--out",
+                  str(tmp_path / "drafter"), "--steps", "3", "--window", "16", "--batch", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert not r.stdout.lstrip().startswith("{")  # a table, not a raw dict
+    rows = {ln.split("│")[1].strip(): ln.split("│")[2].strip() for ln in r.stdout.splitlines() if ln.count("│") >= 3}
+    assert rows["sequences held out"] == "1" and rows["sequences trained on"] == "3", r.stdout
+    assert rows["held-out acceptance by position"].startswith("["), r.stdout
+    assert "no held-out report" not in r.stderr
+    r = _probebus("train-drafter", "--model", "default", "--recording", str(tmp_path / "rec"), "--out",
+                  str(tmp_path / "d0"), "--steps", "2", "--window", "16", "--batch", "2", "--holdout", "0", "--json",
+                  cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    assert json.loads(r.stdout.strip().splitlines()[-1])["heldout_sequences"] == 0
+    assert "probebus train-drafter: no held-out report: --holdout 0" in r.stderr  # said, not silently skipped
