@@ -113,3 +113,41 @@ def test_doc_snippet_runs(name: str, code: str, need: str | None, tmp_path: Path
     assert r.returncode == 0, f"{name} failed:\n{code}\n{r.stderr[-3000:]}"
     assert r.stdout.strip(), f"{name} printed nothing"
     assert "session is closed" not in r.stderr
+
+
+def test_query_tools_have_an_extra_named_where_they_are_used() -> None:
+    """polars, DuckDB and datasets (the reading snippets' tools) install with `[query]`, and `[test]` keeps them."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {re.split(r"[<>=\[ ]", d)[0] for d in extras["query"]}
+    assert names == {"duckdb", "polars", "datasets"}
+    assert names <= {re.split(r"[<>=\[ ]", d)[0] for d in extras["test"]}
+    uses = {"duckdb": "import duckdb", "polars": "import polars", "datasets": "from datasets"}
+    for doc in [*DOCS, *EXAMPLES]:
+        text = doc.read_text()
+        if any(u in text for u in uses.values()):
+            assert '.[query]"' in text, f"{doc.name} uses a query tool without naming the extra"
+
+
+def test_readme_vllm_server_command_is_the_tested_one() -> None:
+    """The README's server command carries every flag tests/vllm_backend/test_vllm_server.py starts vLLM with
+    (--gpu-memory-utilization 0.15 above all: the default 92 % fails on a 24 GB machine), host and port aside."""
+    import shlex
+
+    tested = (ROOT / "tests" / "vllm_backend" / "test_vllm_server.py").read_text()
+    cmd = re.search(r"cmd = \[(.*?)\]\n", tested, re.S).group(1)
+    words = re.findall(r'"([^"]*)"|(str\([^)]*\))', cmd)
+    flags: dict[str, str | None] = {}
+    for i, (w, _) in enumerate(words):
+        if w.startswith("--") and w not in ("--host", "--port", "--model"):
+            nxt = words[i + 1][0] if i + 1 < len(words) else ""
+            flags[w] = None if nxt.startswith("--") or not nxt else nxt
+    assert flags["--gpu-memory-utilization"] == "0.15"
+    for doc in (ROOT / "README.md", ROOT / "docs" / "guide.md"):
+        block = re.search(r"```bash\n(VLLM_SERVER_DEV_MODE=1 .*?)\n[^ ]", doc.read_text(), re.S).group(1)
+        argv = shlex.split(block.replace("\\\n", " ").rstrip("& \n"))
+        for flag, value in flags.items():
+            assert flag in argv, f"{doc.name}: the vLLM server command lacks {flag}"
+            if value is not None:
+                assert argv[argv.index(flag) + 1] == value, (doc.name, flag)
