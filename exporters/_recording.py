@@ -97,6 +97,10 @@ class ActivationCache(dict):
                 f"<th>mean ‖a‖</th></tr>{rows}</table>")
 
 
+def _n(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
 class Recording:
     """A recording's rows (a pyarrow Table, `.table`) with TransformerLens-shaped access.
 
@@ -238,7 +242,10 @@ class Recording:
     def __repr__(self) -> str:
         n_sites, n_seqs, dt = self._summary()
         where = f"{str(self.path)!r}, " if self.path else ""
-        return f"Recording({where}{self.table.num_rows:,} rows, {n_sites} sites, {n_seqs} sequences, {dt})"
+        # the hint reaches libraries that want a pyarrow.Table and print what they got instead, e.g.
+        # datasets.Dataset(recording): "Expected a pyarrow.Table ..., but got Recording(...)"
+        return (f"Recording({where}{_n(self.table.num_rows, 'row')}, {_n(n_sites, 'site')}, "
+                f"{_n(n_seqs, 'sequence')}, {dt}; pass recording.table where a pyarrow.Table is expected)")
 
     def _repr_html_(self) -> str:
         t = self.table

@@ -187,3 +187,17 @@ def test_train_drafter_on_a_small_recording_holds_one_out_and_ends_with_a_table(
 
     assert json.loads(r.stdout.strip().splitlines()[-1])["heldout_sequences"] == 0
     assert "probebus train-drafter: no held-out report: --holdout 0" in r.stderr  # said, not silently skipped
+
+
+def test_a_recording_into_datasets(recording: Path) -> None:
+    """datasets.Dataset wants a pyarrow.Table: `recording.table` works, and passing the Recording itself fails with
+    an error that says to pass `recording.table` (datasets prints what it got)."""
+    datasets = pytest.importorskip("datasets")
+    import exporters
+
+    rec = exporters.read_recording(recording)
+    ds = datasets.Dataset(rec.table)
+    assert ds.num_rows == rec.num_rows and set(ds["site"]) == set(rec.sites)
+    with pytest.raises(TypeError, match=r"pass recording\.table"):
+        datasets.Dataset(rec)
+    assert "1 sequence," in repr(rec) and "1 sequences" not in repr(rec)
