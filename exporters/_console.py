@@ -121,8 +121,8 @@ def inspect_view(info: dict[str, Any]) -> Group:
     head.add_row("model", Text(f"{info.get('model') or '?'}  (config {info.get('config_hash') or '?'})"))
     head.add_row("probebus", f"{info.get('probebus_version') or '?'}, {info.get('file_format') or '?'} files")
     head.add_row("files", f"{len(info['files'])} complete, {len(info['partial_files'])} in progress "
-                          f"({info['salvaged_rows']:,} rows readable in them)")
-    head.add_row("total", f"{info['rows']:,} rows, {_mb(info['bytes'])} MB of activations")
+                          f"({plural(info['salvaged_rows'], 'row')} readable in them)")
+    head.add_row("total", f"{plural(info['rows'], 'row')}, {_mb(info['bytes'])} MB of activations")
     if info.get("requests"):
         head.add_row("requests", f"{info['requests']:,} vLLM requests mapped to seq_ids (Recording.request)")
     if info.get("lost") not in (None, "nothing"):

@@ -88,7 +88,8 @@ class ActivationCache(dict):
         shape = next(iter(shapes)) if len(shapes) == 1 else "mixed"
         dtypes = {dtype_name(t.dtype) for t in self.values()}
         who = f"seq {self.seq_ids[0]}" if self.single else f"seqs {self.seq_ids}"
-        return f"ActivationCache({who}, run {self.run!r}, {len(self)} sites, shape {shape}, {'/'.join(sorted(dtypes))})"
+        return (f"ActivationCache({who}, run {self.run!r}, {_n(len(self), 'site')}, shape {shape}, "
+                f"{'/'.join(sorted(dtypes))})")
 
     def _repr_html_(self) -> str:
         rows = "".join(f"<tr><td>{html.escape(s)}</td><td>{list(t.shape)}</td><td>{dtype_name(t.dtype)}</td>"

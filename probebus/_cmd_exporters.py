@@ -345,7 +345,7 @@ def _list_sessions() -> int:
     print(f"{len(sessions)} live probe session(s); watch one with: probebus top ENDPOINT")
     for s in sessions:
         age = time.time() - s.started if s.started else 0.0
-        sites = f"{len(s.sites)} sites" if s.sites else "sites ?"
+        sites = f"{len(s.sites)} site{'' if len(s.sites) == 1 else 's'}" if s.sites else "sites ?"
         print(f"  {s.endpoint}  pid {s.pid}  {s.model or 'model ?'}  {sites}  {s.policy}  up {age:.0f} s")
     return 0
 
