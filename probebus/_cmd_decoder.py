@@ -209,7 +209,12 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
     if drafter not in DRAFTER_NAMES and not Path(drafter).is_dir():
         raise UsageError(f"--drafter {drafter!r}: not a name ({', '.join(DRAFTER_NAMES)}) nor a folder, nor a "
                          "served drafter's address (tcp://HOST:PORT or ipc://PATH, from probebus serve-drafter)")
-    loaded = load_named_drafter(drafter, model)
+    try:
+        loaded = load_named_drafter(drafter, model)
+    except DrafterError as exc:
+        if "ships with the target" in str(exc):  # a named drafter this model has none of
+            raise UsageError(f"{exc}; --drafter auto (the default) drafts with n-gram meanwhile") from None
+        raise
     if endpoint is not None and getattr(loaded, "sites", None) == []:
         raise UsageError(f"--endpoint: --drafter {drafter} reads token ids only, so no probe session runs; use "
                          "--drafter default, medusa or auto to get one")

@@ -56,6 +56,12 @@ def test_default_flags_work_on_a_model_without_a_drafter(my_model: Path, drafter
     assert code == 0 and plain == out  # greedy n-gram drafts are lossless
 
 
+def test_a_named_drafter_the_model_lacks_points_at_auto(my_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _gen(["--model", str(my_model), "--prompt", "x", "--drafter", "default"], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "--drafter auto" in lines[0], err
+
+
 def test_old_spelling_default_still_names_the_eagle3_head(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _gen(["--prompt", "import os\n", "--max-new-tokens", "12", "--no-stream", "--drafter",
                            "default", "--json"], capsys)
