@@ -93,6 +93,7 @@ def test_readme_is_short_and_every_link_resolves() -> None:
     assert "../shared" not in readme and "DESIGN.md" not in readme
     assert "from_pretrained" in readme and "resolve_model" in readme  # snippets show where the model comes from
     for doc in DOCS:
+        assert "../shared" not in doc.read_text(), f"{doc.name} points outside the repository"
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
             assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
     assert len(BLOCKS) >= 8  # README and guide: capture, record, speculative, vLLM, ...
