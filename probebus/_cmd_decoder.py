@@ -188,10 +188,13 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
                          "auto to get one")
     if drafter == "ngram":
         return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
-    if drafter == "auto":  # with --fixed: the one method that exists, EAGLE-3 where it ships, else n-gram
+    if drafter == "auto":  # with --fixed or --tree: EAGLE-3 alone, as `default` was before auto became the default
         try:
             eagle = load_drafter("default", model)
         except DrafterError:
+            if tree:
+                raise UsageError("--tree: this model has no trained drafter beside it to grow trees; drop --tree "
+                                 "(n-gram drafts chains) or train one (probebus train-drafter)") from None
             if endpoint is not None:
                 raise UsageError("--endpoint: this model has no trained drafter beside it, so --drafter auto drafts "
                                  "with n-gram and runs no probe session; train one (probebus train-drafter) or drop "
@@ -200,8 +203,9 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
             print(f"probebus generate: no trained drafter beside {where}; drafting with n-gram (train one: probebus "
                   "train-drafter)", file=sys.stderr)
             return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
-        if fixed:
-            return SpeculativeDecoder(model, eagle, k=k, schedule=schedule, endpoint=endpoint, cost=cost)
+        if fixed or tree:
+            return SpeculativeDecoder(model, eagle, k=k, schedule=schedule, endpoint=endpoint, cost=cost,
+                                      tree=tree or 0)
         return SpeculativeDecoder(model, "auto", eagle=eagle, k=k, endpoint=endpoint, cost=cost)
     if drafter.startswith(REMOTE):
         return SpeculativeDecoder(model, _remote(drafter), k=k, schedule=schedule, endpoint=endpoint, cost=cost,
@@ -251,7 +255,7 @@ def _check_generate(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.tree is not None and not 0 <= args.tree <= 64:
         raise UsageError(f"--tree must be between 0 and 64 nodes, got {args.tree}")
-    if args.tree and args.drafter in ("ngram", "none", "auto"):
+    if args.tree and args.drafter in ("ngram", "none"):
         raise UsageError(f"--tree needs a drafter that scores alternatives (EAGLE-3 or Medusa), not {args.drafter}")
     if args.tree and args.drafter.startswith(REMOTE):
         raise UsageError("--tree: a served drafter drafts chains; drop --tree or load the drafter here "

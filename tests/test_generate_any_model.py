@@ -135,3 +135,16 @@ def test_no_acceptance_printed_when_nothing_drafted(capsys: pytest.CaptureFixtur
     code, _, err = _gen(["--prompt", "import os\n", "--max-new-tokens", "12", "--no-stream", "--drafter", "default"],
                         capsys)
     assert code == 0 and "acceptance by position [" in err, err
+
+
+def test_tree_with_default_flags_keeps_working(my_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tree N` without --drafter grew EAGLE-3 trees when the default was `default`; with `auto` it still does."""
+    code, out, err = _gen(["--prompt", "def parse(argv):\n", "--max-new-tokens", "16", "--tree", "8", "--json"],
+                          capsys)
+    assert code == 0, err
+    import json
+
+    assert json.loads(out.strip().splitlines()[-1])["stats"]["tree_rounds"] > 0
+    code, _, err = _gen(["--model", str(my_model), "--prompt", "x", "--tree", "8"], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "--tree" in lines[0], err
