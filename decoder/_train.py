@@ -166,6 +166,14 @@ def windows(n: int, window: int) -> Iterator[tuple[int, int]]:
 
 
 @torch.no_grad()
+def holdout_count(n: int, share: float) -> int:
+    """Sequences held out of n for the acceptance report: `share` of them, at least one where share > 0 (a small
+    recording of 4 prompts at 5 % holds out one, not none), and never the last one training has."""
+    if share <= 0 or n < 2:
+        return 0
+    return min(n - 1, max(1, int(n * share)))
+
+
 def heldout_acceptance(drafter: Eagle3Drafter, embed: nn.Embedding, seqs: list[tuple[torch.Tensor, torch.Tensor]],
                        k: int = 5, window: int = 128, head: nn.Module | None = None) -> dict:
     """Acceptance by draft position on held-out sequences: the share of chains whose first i+1 drafts all
@@ -218,7 +226,7 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
         raise ValueError(f"{recording}: no complete sequence of at least 8 tokens")
     # a fixed, seeded choice of held-out sequences (the same on resume)
     order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    n_hold = int(len(seqs) * cfg.holdout) if len(seqs) >= 4 else 0
+    n_hold = holdout_count(len(seqs), cfg.holdout)
     heldout = [seqs[i] for i in order[:n_hold]]
     seqs = [seqs[i] for i in sorted(order[n_hold:])]
     ids = draft_vocabulary(seqs, dcfg.vocab_size, cfg.draft_vocab)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._medusa import MedusaConfig, MedusaHeads, save_medusa
-from ._train import load_site_sequences
+from ._train import holdout_count, load_site_sequences
 
 
 @dataclass
@@ -78,7 +78,7 @@ def _prepare(recording: str | Path, out: str | Path, min_len: int, holdout: floa
     if not seqs:
         raise ValueError(f"{recording}: no sequence of at least {min_len} tokens with final_norm")
     order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_hold = int(len(seqs) * holdout) if len(seqs) >= 4 else 0
+    n_hold = holdout_count(len(seqs), holdout)
     return out, [seqs[i] for i in sorted(order[n_hold:])], [seqs[i] for i in order[:n_hold]]
 
 

@@ -1,5 +1,6 @@
 """Record activations to Arrow while generating, then query the folder with DuckDB and polars.
 
+    pip install -e ".[query]"      # DuckDB and polars (and datasets)
     python examples/record_and_query.py --model default --out /tmp/rec
 """
 

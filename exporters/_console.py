@@ -24,15 +24,27 @@ from ._recorder import RecordingSummary
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
 
 
+#: columns when the stream is not a terminal (a log, CI, `tee`): wide enough that no table or progress line is
+#: clipped or wrapped; COLUMNS, when set, wins
+PIPE_WIDTH = 200
+
+
 def make_console(*, stderr: bool = False) -> Console:
-    """A rich Console that writes plain text when the stream is not a terminal, and honours NO_COLOR."""
+    """A rich Console that writes plain text when the stream is not a terminal, and honours NO_COLOR; not a
+    terminal, it is PIPE_WIDTH columns wide instead of rich's 80, so tables keep their numbers."""
     import os
     import sys
 
     stream = sys.stderr if stderr else sys.stdout
     tty = stream.isatty()
+    width = None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
     return Console(file=stream, stderr=stderr, force_terminal=tty, no_color=bool(os.environ.get("NO_COLOR")) or not tty,
-                   highlight=tty, emoji=False)
+                   highlight=tty, emoji=False, width=width)
+
+
+def plural(n: int, word: str) -> str:
+    """'1 file', '2 files'."""
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
 def _mb(n: float) -> str:
@@ -75,15 +87,18 @@ class RecordProgress:
         self.progress.update(self.task, **kw)
 
 
-def summary_table(s: RecordingSummary) -> Table:
+def summary_table(s: RecordingSummary, *, interrupted_by: str | None = None) -> Table:
+    """A recording's summary; `interrupted_by` (a signal's name) when it was cut short on purpose."""
     t = Table(title=f"recording {s.path}", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
     status = "[green]complete" if s.clean else ("[red]failed" if s.error else "[yellow]incomplete")
+    if interrupted_by and not s.error:
+        status = f"[yellow]stopped by {interrupted_by}[/] (files and manifest complete up to there)"
     rows = [("status", status), ("rows", f"{s.rows:,}"), ("captures", f"{s.captures:,} of {s.received:,} received"),
-            ("bytes", f"{_mb(s.bytes)} MB in {len(s.files)} files"), ("seconds", f"{s.seconds:.2f}"),
+            ("bytes", f"{_mb(s.bytes)} MB in {plural(len(s.files), 'file')}"), ("seconds", f"{s.seconds:.2f}"),
             ("lost", f"{s.dropped} (missed on the bus {s.missed}, unwritten {s.unwritten}; "
-                     f"{s.malformed} malformed frames ignored)")]
+                     f"{plural(s.malformed, 'malformed frame')} ignored)")]
     if s.publisher_dropped is not None:
         rows.append(("publisher dropped", str(s.publisher_dropped)))
     if s.truncated:
@@ -106,8 +121,8 @@ def inspect_view(info: dict[str, Any]) -> Group:
     head.add_row("model", Text(f"{info.get('model') or '?'}  (config {info.get('config_hash') or '?'})"))
     head.add_row("probebus", f"{info.get('probebus_version') or '?'}, {info.get('file_format') or '?'} files")
     head.add_row("files", f"{len(info['files'])} complete, {len(info['partial_files'])} in progress "
-                          f"({info['salvaged_rows']:,} rows readable in them)")
-    head.add_row("total", f"{info['rows']:,} rows, {_mb(info['bytes'])} MB of activations")
+                          f"({plural(info['salvaged_rows'], 'row')} readable in them)")
+    head.add_row("total", f"{plural(info['rows'], 'row')}, {_mb(info['bytes'])} MB of activations")
     if info.get("requests"):
         head.add_row("requests", f"{info['requests']:,} vLLM requests mapped to seq_ids (Recording.request)")
     if info.get("lost") not in (None, "nothing"):

@@ -3,7 +3,9 @@
     paths = exporters.plot_recording("rec/", "plots/")   # [plots/norms_by_position.png, plots/norms_by_layer.png]
 
 norms_by_position.png: a heatmap of the mean L2 norm of each site's activation (rows,
-in model order) at each token position (columns), averaged over sequences.
+in model order) at each token position (columns), averaged over sequences; one panel and
+colour scale per kind of site (resid_post, mlp_out, logits, ...), so logits' large norms
+do not flatten the residual rows.
 norms_by_layer.png: per kind of site (resid_post, resid_pre, ...), the mean norm by
 layer with the 10-90 % band over tokens. One streaming pass over the files.
 """
@@ -67,6 +69,20 @@ def _norms(path: str | Path, sites: Any) -> tuple[dict[str, np.ndarray], dict[st
     return sums, counts, every
 
 
+def _kind(site: str) -> str:
+    """resid_post for layers.3.resid_post; the site itself for embed, final_norm, logits."""
+    parts = site.split(".")
+    return parts[2] if parts[0] == "layers" and len(parts) == 3 else site
+
+
+def _panels(names: list[str]) -> list[tuple[str, list[int]]]:
+    """(kind, row indices into names) per kind of site, in the order kinds first appear."""
+    panels: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        panels.setdefault(_kind(n), []).append(i)
+    return list(panels.items())
+
+
 def plot_recording(path: str | Path, out_dir: str | Path, *, sites: Any = None, title: str | None = None) -> list[Path]:
     """Write norms_by_position.png and norms_by_layer.png into out_dir; returns their paths."""
     plt = _pyplot()
@@ -86,12 +102,17 @@ def plot_recording(path: str | Path, out_dir: str | Path, *, sites: Any = None, 
         grid = np.nanmean(np.pad(grid, ((0, 0), (0, -width % step)), constant_values=np.nan)
                           .reshape(len(names), -1, step), axis=2)
     label = title or str(path)
-    fig, ax = plt.subplots(figsize=(min(16, 4 + grid.shape[1] / 12), 1.5 + 0.28 * len(names)))
-    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
-    ax.set_yticks(range(len(names)), names, fontsize=7)
-    ax.set_xlabel("token position" + (f" (bins of {-(-width // MAX_POSITIONS)})" if width > MAX_POSITIONS else ""))
-    ax.set_title(f"mean ‖activation‖ by site and position — {label}", fontsize=9)
-    fig.colorbar(im, ax=ax, label="L2 norm")
+    panels = _panels(names)
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False, sharex=True,
+                             figsize=(min(16, 4 + grid.shape[1] / 12), 1.2 + 0.28 * len(names) + 0.5 * len(panels)),
+                             gridspec_kw={"height_ratios": [len(rows) + 1 for _, rows in panels]})
+    for ax, (kind, rows) in zip(axes[:, 0], panels, strict=True):
+        im = ax.imshow(grid[rows], aspect="auto", interpolation="nearest", cmap="viridis")  # its own scale
+        ax.set_yticks(range(len(rows)), [names[r] for r in rows], fontsize=7)
+        fig.colorbar(im, ax=ax, label=f"{kind} L2", pad=0.01)
+    axes[-1, 0].set_xlabel("token position"
+                           + (f" (bins of {-(-width // MAX_POSITIONS)})" if width > MAX_POSITIONS else ""))
+    axes[0, 0].set_title(f"mean ‖activation‖ by site and position (a colour scale per kind) — {label}", fontsize=9)
     fig.tight_layout()
     first = out / "norms_by_position.png"
     fig.savefig(first, dpi=110)

@@ -310,7 +310,8 @@ class ArrowRecorder:
             self.path.mkdir(parents=True, exist_ok=True)
             ours = existing_recording(self.path)
             if ours and not self.overwrite:
-                raise RecorderError(f"{self.path} already holds a recording ({len(ours)} files); record into a new "
+                files = f"{len(ours)} file{'' if len(ours) == 1 else 's'}"
+                raise RecorderError(f"{self.path} already holds a recording ({files}); record into a new "
                                     "directory, or replace it with --overwrite (overwrite=True in Python)")
             for p in ours:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()

@@ -88,13 +88,18 @@ class ActivationCache(dict):
         shape = next(iter(shapes)) if len(shapes) == 1 else "mixed"
         dtypes = {dtype_name(t.dtype) for t in self.values()}
         who = f"seq {self.seq_ids[0]}" if self.single else f"seqs {self.seq_ids}"
-        return f"ActivationCache({who}, run {self.run!r}, {len(self)} sites, shape {shape}, {'/'.join(sorted(dtypes))})"
+        return (f"ActivationCache({who}, run {self.run!r}, {_n(len(self), 'site')}, shape {shape}, "
+                f"{'/'.join(sorted(dtypes))})")
 
     def _repr_html_(self) -> str:
         rows = "".join(f"<tr><td>{html.escape(s)}</td><td>{list(t.shape)}</td><td>{dtype_name(t.dtype)}</td>"
                        f"<td>{t.float().norm(dim=-1).mean():.4g}</td></tr>" for s, t in self.items())
         return (f"<b>{html.escape(repr(self))}</b><table><tr><th>site</th><th>shape</th><th>dtype</th>"
                 f"<th>mean ‖a‖</th></tr>{rows}</table>")
+
+
+def _n(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
 class Recording:
@@ -238,7 +243,10 @@ class Recording:
     def __repr__(self) -> str:
         n_sites, n_seqs, dt = self._summary()
         where = f"{str(self.path)!r}, " if self.path else ""
-        return f"Recording({where}{self.table.num_rows:,} rows, {n_sites} sites, {n_seqs} sequences, {dt})"
+        # the hint reaches libraries that want a pyarrow.Table and print what they got instead, e.g.
+        # datasets.Dataset(recording): "Expected a pyarrow.Table ..., but got Recording(...)"
+        return (f"Recording({where}{_n(self.table.num_rows, 'row')}, {_n(n_sites, 'site')}, "
+                f"{_n(n_seqs, 'sequence')}, {dt}; pass recording.table where a pyarrow.Table is expected)")
 
     def _repr_html_(self) -> str:
         t = self.table

@@ -3,15 +3,21 @@
     expand_sites(arch, "layers.*.resid_post")        # every layer
     expand_sites(arch, ["layers.0:8.mlp_out", "logits"])
     expand_sites(arch, "layers.-3.resid_pre")        # third-from-last layer
+    expand_sites(arch, "*.resid_post")               # a shell glob over the site names
+    expand_sites(arch, "resid_post")                 # part of a name: every layer's resid_post
     SiteMatcher(["layers.*.resid_post"]).matches("layers.4.resid_post")  # no model needed
 
 A pattern is `embed`, `final_norm`, `logits`, `*` (everything) or
 `layers.SEL.NAME` where SEL is `*`, an index (negative counts from the end) or a
-Python slice `a:b[:c]`, and NAME is a layer site or `*`.
+Python slice `a:b[:c]`, and NAME is a layer site or `*`. Anything else is read
+loosely, as people type it: a shell glob (`*.resid_post`, `layers.1?.mlp_out`) over
+the site names, or part of a name: whole dot-separated parts where it is made of them
+(`resid_post`, `layers.3`, `3.mlp_out`), else any substring (`resid`, `mlp`).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -21,6 +27,32 @@ from ._arch import GLOBAL_HEAD, GLOBAL_TAIL, LAYER_SITES, Arch, SiteError
 _LAYER_RE = re.compile(r"^layers\.(?P<sel>[^.]+)\.(?P<name>[a-z_]+|\*)$")
 _INT_RE = re.compile(r"^-?\d+$")
 _SLICE_RE = re.compile(r"^(-?\d*):(-?\d*)(?::(-?\d+))?$")
+
+
+GRAMMAR = ("patterns: a site (layers.3.resid_post, embed, final_norm, logits), layers.SEL.NAME with SEL = * | 3 | "
+           "-1 | 2:6 and NAME a layer site or *, a shell glob (*.resid_post), or part of a name (resid_post, mlp); "
+           "several joined by commas")
+
+
+def _is_part(token: str) -> bool:
+    return token in ("layers", *LAYER_SITES, *GLOBAL_HEAD, *GLOBAL_TAIL) or bool(_INT_RE.match(token))
+
+
+def loose_match(pattern: str, site: str) -> bool:
+    """A pattern outside the strict grammar: a shell glob, whole dot-separated parts of a name, or a substring."""
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(site, pattern)
+    if all(_is_part(t) for t in pattern.split(".")):
+        return f".{pattern}." in f".{site}."
+    return pattern in site
+
+
+def _strict(pattern: str) -> re.Match[str] | None:
+    """layers.SEL.NAME of the strict grammar; None for anything else (a glob such as layers.1?.mlp_out included)."""
+    m = _LAYER_RE.match(pattern)
+    if m and m["sel"] != "*" and any(c in m["sel"] for c in "*?["):
+        return None
+    return m
 
 
 def _as_list(sites: str | Iterable[str]) -> list[str]:
@@ -71,14 +103,18 @@ def expand_sites(arch: Arch, sites: str | Iterable[str]) -> list[str]:
                 raise SiteError(f"site {pat!r} is not defined for this {arch.family} model; {arch.describe()}")
             chosen.add(pat)
             continue
-        m = _LAYER_RE.match(pat)
+        m = _strict(pat)
         if not m:
-            raise SiteError(f"unknown site {pat!r}; {arch.describe()}")
+            loose = [s for s in available if loose_match(pat, s)]
+            if not loose:
+                raise SiteError(f"unknown site {pat!r}: it selects nothing; {GRAMMAR}; {arch.describe()}")
+            chosen.update(loose)
+            continue
         name = m["name"]
         names = arch.layer_site_names() if name == "*" else (name,)
         for n in names:
             if n not in LAYER_SITES:
-                raise SiteError(f"unknown layer site {n!r} in {pat!r}; {arch.describe()}")
+                raise SiteError(f"unknown layer site {n!r} in {pat!r}; {GRAMMAR}; {arch.describe()}")
             if n not in arch.layer_site_names():
                 raise SiteError(
                     f"{n!r} is not defined for this {arch.family} model (e.g. a parallel-residual block "
@@ -111,6 +147,17 @@ def site_layer(site: str) -> int:
     return -1
 
 
+# a site name of some layer (any index), to tell a part of a name from a typo without the model
+_KNOWN_NAMES = (*GLOBAL_HEAD, *GLOBAL_TAIL, *(f"layers.0.{n}" for n in LAYER_SITES))
+
+
+def _is_site_name(site: str) -> bool:
+    parts = site.split(".")
+    if len(parts) == 3:
+        return parts[0] == "layers" and parts[1].isdigit() and parts[2] in LAYER_SITES
+    return site in GLOBAL_HEAD + GLOBAL_TAIL
+
+
 class SiteMatcher:
     """Match site names against patterns without knowing the model (for subscribers).
 
@@ -120,6 +167,7 @@ class SiteMatcher:
     def __init__(self, sites: str | Iterable[str] | None) -> None:
         self.exact: set[str] = set()
         self._rules: list[tuple[range | None, str]] = []
+        self._loose: list[str] = []  # globs and parts of names (`loose_match`)
         self.everything = sites is None
         if sites is None:
             return
@@ -129,12 +177,18 @@ class SiteMatcher:
             elif pat in GLOBAL_HEAD + GLOBAL_TAIL:
                 self.exact.add(pat)
             else:
-                m = _LAYER_RE.match(pat)
-                if not m or (m["name"] != "*" and m["name"] not in LAYER_SITES):
+                m = _strict(pat)
+                if m and m["name"] != "*" and m["name"] not in LAYER_SITES:
                     raise SiteError(
                         f"unknown site {pat!r}; sites are embed, layers.N.{{{', '.join(LAYER_SITES)}}}, "
-                        "final_norm, logits, or patterns like layers.*.resid_post"
+                        f"final_norm, logits; {GRAMMAR}"
                     )
+                if not m:  # a glob or part of a name: matched by name; every topic is read
+                    typo = not any(c in pat for c in "*?[0123456789")  # else it may name a layer we cannot see
+                    if typo and not any(loose_match(pat, s) for s in _KNOWN_NAMES):
+                        raise SiteError(f"unknown site {pat!r}: no site name contains it; {GRAMMAR}")
+                    self._loose.append(pat)
+                    continue
                 sel = _select_layers(m["sel"], None, pat)
                 if isinstance(sel, list) and m["name"] != "*":
                     self.exact.add(f"layers.{sel[0]}.{m['name']}")
@@ -142,7 +196,7 @@ class SiteMatcher:
                     self._rules.append((sel, m["name"]))
 
     def topics(self) -> list[bytes]:
-        if self.everything:
+        if self.everything or self._loose:
             return [b""]
         topics = {s.encode() for s in self.exact}
         if self._rules:
@@ -152,6 +206,8 @@ class SiteMatcher:
     def matches(self, site: str) -> bool:
         """Whether a concrete site name is selected (False for anything that is not a site name)."""
         if self.everything or site in self.exact:
+            return True
+        if any(loose_match(p, site) for p in self._loose) and _is_site_name(site):
             return True
         if not self._rules or not site.startswith("layers."):
             return False

@@ -1,7 +1,9 @@
 """`probebus generate`, `probebus train-drafter` and `probebus serve-drafter`: the decoder package on the command line.
 
-    probebus generate --model default --prompt "def parse(" --max-new-tokens 64     # scheduled EAGLE-3
-    probebus generate --model default --drafter auto --prompts p.jsonl --json
+    probebus generate --model default --prompt "def parse(" --max-new-tokens 64     # auto: EAGLE-3 + n-gram
+    probebus generate --model MY_MODEL --prompt "def parse("      # no drafter beside it: n-gram, said in one line
+    probebus generate --model default --drafter medusa --prompts p.jsonl --json
+    probebus generate --model default --drafter tcp://127.0.0.1:5600 --prompt "x"   # a `serve-drafter` process
     probebus train-drafter --model default --recording rec/ --out my-drafter/
     probebus serve-drafter --bind tcp://127.0.0.1:5600 --model default             # decoder.RemoteEagle(addr)
 
@@ -13,9 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
+#: every --drafter name `probebus generate` takes (a folder or a served drafter's address besides)
+DRAFTER_NAMES = ("auto", "default", "eagle3", "eagle3-tree", "medusa", "medusa-tree", "mtp", "mtp-attn", "clustered",
+                 "dspark", "draft-model", "layer-skip", "ngram", "none")
+REMOTE = ("tcp://", "ipc://")
+SEPARATOR = "-" * 40  # between the completions of several prompts (not --json)
+REMOTE_TIMEOUT_S = 30.0  # a served drafter's answer (each call); the first waits for a server still starting
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,17 +42,20 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text, optionally with speculative decoding",
-                       description="Generate from a model with a drafter: default (the EAGLE-3 head shipped with the "
-                       "model), medusa (Medusa heads), draft-model (a separate small model), layer-skip (the "
-                       "model's own first layers), ngram (prompt lookup), auto (EAGLE-3 and n-gram), none, or PATH "
-                       "(a drafter folder: EAGLE-3 in either public layout, Medusa, a causal LM, a layer-skip "
-                       "measurement). A scheduler picks per round and row the method and draft length from "
-                       "measured costs and acceptance estimates, and takes plain steps when nothing pays. Greedy "
-                       "output equals plain decoding; sampling follows the target's distribution exactly.")
+                       description="Generate from a model with a drafter: auto (the default: the EAGLE-3 head "
+                       "shipped beside the model plus n-gram, or n-gram alone where the model has none), default or "
+                       "eagle3 (the EAGLE-3 head alone), eagle3-tree, medusa, medusa-tree (Medusa heads), mtp, "
+                       "mtp-attn, clustered, dspark, draft-model (a separate small model), layer-skip (the model's "
+                       "own first layers), ngram (prompt lookup), none (plain decoding), PATH (a drafter folder: "
+                       "EAGLE-3 in either public layout, Medusa, MTP, DSpark, a causal LM, a layer-skip "
+                       "measurement) or ADDRESS (tcp://... or ipc://...: an EAGLE-3 drafter served by `probebus "
+                       "serve-drafter --bind ADDRESS`). A scheduler picks per round and row the method and draft "
+                       "length from measured costs and acceptance estimates, and takes plain steps when nothing "
+                       "pays. Greedy output equals plain decoding; sampling follows the target's distribution exactly.")
     _common(p)
-    p.add_argument("--drafter", default="default",
-                   help="default | eagle3 | eagle3-tree | medusa | medusa-tree | mtp | mtp-attn | clustered | dspark | "
-                   "draft-model | layer-skip | ngram | auto | none | PATH (default: %(default)s)")
+    p.add_argument("--drafter", default="auto",
+                   help=f"{' | '.join(DRAFTER_NAMES)} | PATH | tcp://HOST:PORT | ipc://PATH (a served drafter) "
+                   "(default: %(default)s; a model with no trained drafter beside it drafts with n-gram)")
     p.add_argument("--tree", type=int, default=None, help="verify draft trees of up to N nodes in one forward "
                    "(batch 1, EAGLE-3 or Medusa; default: 24 for the -tree names, else 0 = chains)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -99,11 +111,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch", type=int, default=8, help="windows per step (default: %(default)s)")
     t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
     t.add_argument("--holdout", type=float, default=0.05, help="share of sequences held out for the acceptance "
-                   "report (default: %(default)s)")
+                   "report, at least one where the recording has two or more (default: %(default)s)")
     t.add_argument("--soft", action="store_true", help="eagle3: train against the target's whole next-token "
                    "distribution (EAGLE's objective; record final_norm with the feature sites) instead of the "
                    "recorded tokens: more of its sampled drafts are accepted")
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a training state")
+    t.add_argument("--json", action="store_true", help="print the metrics as one JSON object instead of a table")
     t.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("serve-drafter", help="serve an EAGLE-3 drafter to a loop in another process",
@@ -156,7 +169,15 @@ def load_target(args: argparse.Namespace, need_tokenizer: bool = True):  # noqa:
 def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: bool = False,
                  endpoint: str | None = None, refresh_cost: bool = False, tree: int | None = None):  # noqa: ANN201 - a SpeculativeDecoder
     """The decoder for a --drafter value; raises DrafterError for a bad drafter."""
-    from decoder import CostModel, NgramDrafter, SpeculativeDecoder, load_drafter, load_named_drafter, tree_nodes
+    from decoder import (
+        CostModel,
+        DrafterError,
+        NgramDrafter,
+        SpeculativeDecoder,
+        load_drafter,
+        load_named_drafter,
+        tree_nodes,
+    )
 
     schedule = "fixed" if fixed else "auto"
     if drafter == "none":
@@ -167,12 +188,37 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
                          "auto to get one")
     if drafter == "ngram":
         return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
-    if drafter == "auto":
-        if fixed:
-            raise UsageError("--fixed drafts with one method; give --drafter default, PATH or ngram")
-        return SpeculativeDecoder(model, "auto", eagle=load_drafter("default", model), k=k, endpoint=endpoint,
-                                  cost=cost)
-    loaded = load_named_drafter(drafter, model)
+    if drafter == "auto":  # with --fixed or --tree: EAGLE-3 alone, as `default` was before auto became the default
+        try:
+            eagle = load_drafter("default", model)
+        except DrafterError:
+            if tree:
+                raise UsageError("--tree: this model has no trained drafter beside it to grow trees; drop --tree "
+                                 "(n-gram drafts chains) or train one (probebus train-drafter)") from None
+            if endpoint is not None:
+                raise UsageError("--endpoint: this model has no trained drafter beside it, so --drafter auto drafts "
+                                 "with n-gram and runs no probe session; train one (probebus train-drafter) or drop "
+                                 "--endpoint") from None
+            where = getattr(model.config, "_name_or_path", "") or "the model"
+            print(f"probebus generate: no trained drafter beside {where}; drafting with n-gram (train one: probebus "
+                  "train-drafter)", file=sys.stderr)
+            return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
+        if fixed or tree:
+            return SpeculativeDecoder(model, eagle, k=k, schedule=schedule, endpoint=endpoint, cost=cost,
+                                      tree=tree or 0)
+        return SpeculativeDecoder(model, "auto", eagle=eagle, k=k, endpoint=endpoint, cost=cost)
+    if drafter.startswith(REMOTE):
+        return SpeculativeDecoder(model, _remote(drafter), k=k, schedule=schedule, endpoint=endpoint, cost=cost,
+                                  tree=0)
+    if drafter not in DRAFTER_NAMES and not Path(drafter).is_dir():
+        raise UsageError(f"--drafter {drafter!r}: not a name ({', '.join(DRAFTER_NAMES)}) nor a folder, nor a "
+                         "served drafter's address (tcp://HOST:PORT or ipc://PATH, from probebus serve-drafter)")
+    try:
+        loaded = load_named_drafter(drafter, model)
+    except DrafterError as exc:
+        if "ships with the target" in str(exc):  # a named drafter this model has none of
+            raise UsageError(f"{exc}; --drafter auto (the default) drafts with n-gram meanwhile") from None
+        raise
     if endpoint is not None and getattr(loaded, "sites", None) == []:
         raise UsageError(f"--endpoint: --drafter {drafter} reads token ids only, so no probe session runs; use "
                          "--drafter default, medusa or auto to get one")
@@ -181,6 +227,17 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
         return SpeculativeDecoder(model, loaded, k=k, schedule=schedule, endpoint=endpoint, cost=cost, tree=nodes)
     except ValueError as exc:  # a tree for a drafter that cannot grow one
         raise UsageError(f"--drafter {drafter}: {exc}") from None
+
+
+def _remote(address: str):  # noqa: ANN202 - a decoder.RemoteEagle
+    """A served drafter (probebus serve-drafter --bind ADDRESS), or one line saying how to start one."""
+    from decoder import RemoteEagle
+
+    try:
+        return RemoteEagle(address, timeout=REMOTE_TIMEOUT_S)
+    except TimeoutError:
+        raise UsageError(f"--drafter {address}: no drafter answered within {REMOTE_TIMEOUT_S:g} s; start one with "
+                         f"probebus serve-drafter --bind {address} --model MODEL") from None
 
 
 def _check_generate(args: argparse.Namespace) -> None:
@@ -198,8 +255,11 @@ def _check_generate(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.tree is not None and not 0 <= args.tree <= 64:
         raise UsageError(f"--tree must be between 0 and 64 nodes, got {args.tree}")
-    if args.tree and args.drafter in ("ngram", "none", "auto"):
+    if args.tree and args.drafter in ("ngram", "none"):
         raise UsageError(f"--tree needs a drafter that scores alternatives (EAGLE-3 or Medusa), not {args.drafter}")
+    if args.tree and args.drafter.startswith(REMOTE):
+        raise UsageError("--tree: a served drafter drafts chains; drop --tree or load the drafter here "
+                         "(--drafter PATH)")
     if args.endpoint is not None and args.drafter == "none":
         raise UsageError("--endpoint: --drafter none runs without a probe session; use --drafter default or auto")
 
@@ -234,6 +294,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             enc = tok(chunk, return_tensors="pt", padding=True)
             streamer = None
             if stream:
+                if i:
+                    print(SEPARATOR, flush=True)
                 print(chunk[0] + bold, end="", flush=True)
                 streamer = _TextStream(tok)
             out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=args.max_new_tokens,
@@ -242,6 +304,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             all_stats.append(out.stats)
             stats = out.stats.as_dict()
             for r, prompt in enumerate(chunk):
+                if i + r and not args.json and not stream:  # several prompts' completions: a rule between
+                    print(SEPARATOR, flush=True)
                 new = out.sequences[r, enc.input_ids.shape[1]:].tolist()
                 if tok.pad_token_id is not None and eos != tok.pad_token_id:
                     new = [t for t in new if t != tok.pad_token_id]
@@ -253,17 +317,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 else:
                     print(f"{prompt}{bold}{text}{plain}", flush=True)
             if not args.json:
-                print(f"[{args.drafter}] {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, "
-                      f"{stats['tokens_per_forward']:.2f} tokens/forward, rounds: {stats['eagle_rounds']} "
-                      f"{'+'.join(stats['by_drafter']) or 'model drafter'}, {stats['ngram_rounds']} n-gram, "
-                      f"{stats['tree_rounds']} tree, {stats['plain_rounds']} plain; acceptance by position "
-                      f"{[round(a, 2) for a in stats['acceptance']]}", file=sys.stderr)
+                print(_stats_line(args.drafter, stats), file=sys.stderr)
     if args.plot:
         from decoder._plot import plot_stats
 
         for path in plot_stats(all_stats, args.plot, title=f"--drafter {args.drafter}"):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _stats_line(drafter: str, stats: dict) -> str:
+    """One line per batch; acceptance by draft position only where some round drafted."""
+    line = (f"[{drafter}] {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, "
+            f"{stats['tokens_per_forward']:.2f} tokens/forward, rounds: {stats['eagle_rounds']} "
+            f"{'+'.join(stats['by_drafter']) or 'model drafter'}, {stats['ngram_rounds']} n-gram, "
+            f"{stats['tree_rounds']} tree, {stats['plain_rounds']} plain")
+    if not stats["drafted"]:
+        return line + "; no drafts made, so no acceptance"
+    return line + f"; acceptance by position {[round(a, 2) for a in stats['acceptance']]}"
 
 
 class _TextStream:
@@ -317,14 +388,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError) as exc:  # unreadable, incomplete or foreign recordings
         return _fail("train-drafter", f"{rec}: {exc}" if str(rec) not in str(exc) else exc)
     keys = ("sequences", "heldout_sequences", "tokens", "resumed_from", "step", "loss", "acc", "seconds", "heldout")
-    print(json.dumps({k: metrics[k] for k in keys if k in metrics}))
-    held = metrics.get("heldout")
-    if held:
-        print(f"held-out acceptance by draft position ({held['sequences']} sequences): "
-              f"{[round(a, 3) for a in held['acceptance']]}, tau {held['tau']}", file=sys.stderr)
+    _report(args, {k: metrics[k] for k in keys if k in metrics}, "eagle3")
     print(f"drafter written to {args.out} (speculators layout); try: probebus generate --model {args.model} "
           f"--drafter {args.out} --prompt '...'", file=sys.stderr)
     return 0
+
+
+def _report(args: argparse.Namespace, metrics: dict, method: str) -> None:
+    """The metrics as a table (or one JSON line with --json), and a line when no held-out report was made."""
+    from exporters._console import make_console
+    from probebus._train_view import heldout_note, train_table
+
+    if args.json:
+        print(json.dumps(metrics))
+    else:
+        make_console().print(train_table(method, metrics, args.out))
+    note = heldout_note(metrics, args.holdout)
+    if note:
+        print(f"probebus train-drafter: {note}", file=sys.stderr)
 
 
 def _train_other(args: argparse.Namespace, model: torch.nn.Module, rec) -> int:  # noqa: ANN001
@@ -368,7 +449,7 @@ def _train_other(args: argparse.Namespace, model: torch.nn.Module, rec) -> int: 
         return _fail("train-drafter", exc)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         return _fail("train-drafter", f"{rec}: {exc}" if str(rec) not in str(exc) else exc)
-    print(json.dumps({k: v for k, v in metrics.items() if k != "table"}))
+    _report(args, {k: v for k, v in metrics.items() if k != "table"}, args.method)
     print(f"{args.method} drafter written to {args.out}; try: probebus generate --model {args.model} "
           f"--drafter {args.out} --prompt '...'", file=sys.stderr)
     return 0

@@ -40,7 +40,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     import exporters
     import probe
-    from exporters._console import inspect_view, make_console, top_table
+    from exporters._console import inspect_view, make_console, plural, top_table
     from probebus._load import LoadError, load_model
 
     if args.max_new_tokens < 1:
@@ -107,7 +107,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     console.print(inspect_view(exporters.summarize_recording(out_dir)))
     console.print(f"bus: {stats.captured} captured, {stats.published} published, {stats.dropped} dropped, "
                   f"{stats.bytes / 1e6:.1f} MB, producer stall {stats.stall_seconds * 1000:.0f} ms; "
-                  f"recorder: {summary.rows:,} rows in {len(summary.files)} file(s)")
+                  f"recorder: {plural(summary.rows, 'row')} in {plural(len(summary.files), 'file')}")
     console.print(f"[bold]recording:[/] {out_dir}   (read it: exporters.read_recording('{out_dir}'), "
                   f"`probebus inspect {out_dir}`, DuckDB or polars)")
     console.print(f"next: probebus generate --model {args.model} --drafter default --prompt 'def parse(' "

@@ -171,8 +171,10 @@ def _check_record(args: argparse.Namespace) -> None:
 
     found = existing_recording(args.out)
     if found and not args.overwrite:
-        raise LoadError(f"{args.out} already holds a recording ({len(found)} files); record into a new directory, "
-                        "or replace it with --overwrite")
+        from exporters._console import plural
+
+        raise LoadError(f"{args.out} already holds a recording ({plural(len(found), 'file')}); record into a new "
+                        "directory, or replace it with --overwrite")
 
 
 def _finish(rec: Any, args: argparse.Namespace, console: Any, stop: _Stop) -> int:
@@ -185,7 +187,7 @@ def _finish(rec: Any, args: argparse.Namespace, console: Any, stop: _Stop) -> in
     if args.json:
         print(json.dumps(s.as_dict(), indent=1))
     else:
-        console.print(summary_table(s))
+        console.print(summary_table(s, interrupted_by=signal.Signals(stop.signum).name if stop.requested else None))
     if s.error:
         print(f"probebus record: {s.error}", file=sys.stderr)
         return 1
@@ -343,7 +345,7 @@ def _list_sessions() -> int:
     print(f"{len(sessions)} live probe session(s); watch one with: probebus top ENDPOINT")
     for s in sessions:
         age = time.time() - s.started if s.started else 0.0
-        sites = f"{len(s.sites)} sites" if s.sites else "sites ?"
+        sites = f"{len(s.sites)} site{'' if len(s.sites) == 1 else 's'}" if s.sites else "sites ?"
         print(f"  {s.endpoint}  pid {s.pid}  {s.model or 'model ?'}  {sites}  {s.policy}  up {age:.0f} s")
     return 0
 

@@ -70,7 +70,8 @@ def _cmd_attach(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"attached run {session.run}: {len(session.sites)} sites, {session.policy}")
+        print(f"attached run {session.run}: {len(session.sites)} site{'' if len(session.sites) == 1 else 's'}, "
+              f"{session.policy}")
         print(f"endpoint: {session.endpoint}")
         keys = f" --curve-server {args.curve_secret.removesuffix('_secret')}" if args.curve_secret else ""
         print(f"watch it:  probebus top {session.endpoint}{keys}")

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sites", help="list the probe sites of a model", description="List the probe sites of a "
                        "model: `default`, a local folder with config.json, or a config.json file. No weights load.")
     p.add_argument("model", help="default | PATH (folder or config.json) | a hub id already in the local cache")
-    p.add_argument("--match", help="only the sites a pattern selects, e.g. 'layers.*.resid_post'")
+    p.add_argument("--match", help="only the sites a pattern selects: 'layers.*.resid_post', 'layers.0:4.mlp_out', "
+                   "'layers.-1.resid_pre', a shell glob ('*.resid_post') or part of a name ('resid_post')")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_sites)
 

@@ -152,9 +152,10 @@ def test_bf16_reads_as_the_captured_values(recordings: dict[str, Path]) -> None:
 
 
 def _snippets() -> list[str]:
-    """Every ```python block of docs/reading.md and README.md whose first line starts with '# read rec/'."""
+    """Every ```python block of docs/*.md and README.md whose first line starts with '# read rec/' (the others run in
+    tests/test_examples.py)."""
     out = []
-    for doc in (ROOT / "docs" / "reading.md", ROOT / "README.md"):
+    for doc in (*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"):
         if doc.is_file():
             out += [b for b in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S) if b.startswith("# read rec/")]
     return out
