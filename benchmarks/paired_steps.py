@@ -2,6 +2,7 @@
 
     python benchmarks/paired_steps.py                  # batch 1 and 8, 12 generates per mode
     python benchmarks/paired_steps.py --quick
+    python benchmarks/paired_steps.py --compiled --default-model --modes a/a probebus
 
 `overhead.py` compares whole generate calls, seconds apart, and on a shared VM their
 per-round spread (10-20 %) hides a 2 % effect. Here the probe is switched on and off
@@ -17,7 +18,10 @@ should be ~0), `probebus` (a draining Subscriber; steps held up to the linger, a
 default), `probebus-live` (a live Subscriber: every step's captures leave at its end),
 `naive` (hooks that clone and send synchronously). The model's thread runs alone on
 core 0 with 1 torch thread; everything else on the other cores (overhead.py's
-"model core" placement). Reported: the median per-step cost (CPU of the model's thread,
+"model core" placement). `--compiled`: `model.forward = torch.compile(model.forward, fullgraph=True)`
+over a static KV cache (transformers' documented fast path); the taps' graph and the plain one are
+both compiled by a warm-up generate per mode, and switching between them is a lookup in Dynamo's
+cache. Reported: the median per-step cost (CPU of the model's thread,
 and wall) as a share of an off step, with a 90 % bootstrap interval.
 """
 
@@ -33,6 +37,7 @@ from pathlib import Path
 
 import torch
 import zmq
+from transformers import AutoModelForCausalLM, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 import probe
@@ -110,6 +115,8 @@ def run(model, ids: torch.Tensor, mode: str, endpoints: dict[str, str], first_on
         naive: NaiveHooks | None) -> list[tuple[bool, float, float]]:
     kw = dict(max_new_tokens=ARGS.new_tokens, min_new_tokens=ARGS.new_tokens, do_sample=False, eos_token_id=None,
               pad_token_id=0, attention_mask=torch.ones_like(ids))
+    if ARGS.compiled:
+        kw["cache"] = StaticCache(config=model.config, max_cache_len=ids.shape[1] + ARGS.new_tokens)
     if mode == "a/a":
         clock = Toggler(lambda on: None, first_on, ARGS.block)
         with torch.no_grad(), model_core(True):
@@ -152,7 +159,14 @@ def main() -> None:
         sys.exit("needs 2 cores: the model's thread alone on core 0, the rest on the others")
     torch.set_num_threads(1)
     os.sched_setaffinity(0, set(cores) - {0})  # threads and processes started from here stay off core 0
-    model = build_model(ARGS)
+    if ARGS.default_model:
+        from probebus.models import resolve_model
+
+        model = AutoModelForCausalLM.from_pretrained(resolve_model("default"), dtype=torch.float32).eval()
+    else:
+        model = build_model(ARGS)
+    if ARGS.compiled:
+        model.forward = torch.compile(model.forward, fullgraph=True)
     endpoints = {"probebus": f"ipc:///tmp/probebus-paired-{os.getpid()}",
                  "probebus-live": f"ipc:///tmp/probebus-paired-live-{os.getpid()}",
                  "naive": f"tcp://127.0.0.1:{ARGS.port}"}
@@ -164,13 +178,17 @@ def main() -> None:
         for h in naive.handles:
             h.remove()
     print("machine:", machine())
-    print(f"random Llama (hidden {ARGS.hidden}, {ARGS.layers} layers), fp32, prompt {ARGS.prompt}, "
+    what = "the default model" if ARGS.default_model else f"random Llama (hidden {ARGS.hidden}, {ARGS.layers} layers)"
+    print(f"{what}, {'compiled, static cache' if ARGS.compiled else 'eager'}, fp32, prompt {ARGS.prompt}, "
           f"{ARGS.new_tokens} new tokens, greedy, sites layers.*.resid_post; model thread alone on core 0; "
           f"{ARGS.generates} generates per mode, the probe on and off every {ARGS.block} decode step(s)")
     try:
         for batch in ARGS.batches:
             ids = torch.randint(3, 8192, (batch, ARGS.prompt), generator=torch.Generator().manual_seed(batch))
             run(model, ids, "a/a", endpoints, True, naive)  # warm-up
+            if ARGS.compiled:  # every mode's graphs compiled before the clock starts
+                for m in ARGS.modes:
+                    run(model, ids, m, endpoints, True, naive)
             steps: dict[str, list[list]] = {m: [] for m in ARGS.modes}
             for g in range(ARGS.generates):
                 for m in ARGS.modes[g % len(ARGS.modes):] + ARGS.modes[: g % len(ARGS.modes)]:
@@ -190,6 +208,8 @@ if __name__ == "__main__":
     ap.add_argument("--generates", type=int, default=12, help="generate calls per mode and batch (default: 12)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    ap.add_argument("--compiled", action="store_true", help="torch.compile'd forward over a static KV cache")
+    ap.add_argument("--default-model", action="store_true", help="the shipped default model (vocabulary 8192)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)
