@@ -202,9 +202,10 @@ def test_pause_takes_the_taps_off_without_changing_the_announced_sites() -> None
 
 
 def test_taps_keep_a_replaced_forward_and_the_signature_transformers_reads() -> None:
-    """Sites are taps on `forward` (not hooks; the model's step hooks are hooks, outside a compiled forward): a forward that something else put on the instance first (as
-    accelerate does) is the one called, and is put back on close; one wrapped over ours afterwards survives the
-    close and still reaches the module; `generate` sees forward's own parameters throughout."""
+    """Sites are taps on `forward` (not hooks; the model's step hooks are hooks, outside a compiled forward): a
+    forward that something else put on the instance first (as accelerate does) is the one called, and is put
+    back on close; one wrapped over ours afterwards survives the close and still reaches the module; `generate`
+    sees forward's own parameters throughout."""
     model = build("llama")
     ids = torch.tensor([[5, 6, 7, 8]])
     ref = _generate(model)
