@@ -269,7 +269,7 @@ class Hooks:
                 t = third[0] if isinstance(third, (tuple, list)) else third
             if compiling():
                 staged.append((index, t))
-            elif isinstance(t, tensor) and name in active:
+            elif isinstance(t, tensor) and name in active:  # `_take`, inline: a call here costs more than it
                 deferred = self._deferred
                 if deferred is not None:
                     deferred.append((key, t, t._version))
@@ -284,12 +284,16 @@ class Hooks:
         for index, t in staged:
             key = keys.get(index)
             if key is not None and key.name in active and isinstance(t, torch.Tensor):
-                deferred = self._deferred
-                if deferred is not None:
-                    deferred.append((key, t, t._version))
-                else:
-                    self._capture(key, t)
+                self._take(key, t)
         staged.clear()
+
+    def _take(self, key: SiteKey, t: torch.Tensor) -> None:
+        """A site's tensor: noted for the step's end while deferring, else copied now."""
+        deferred = self._deferred
+        if deferred is not None:
+            deferred.append((key, t, t._version))
+        else:
+            self._capture(key, t)
 
     def _end_deferred(self) -> None:
         """Capture the step's deferred tensors, in the order their hooks ran."""
