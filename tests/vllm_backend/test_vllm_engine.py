@@ -250,3 +250,17 @@ def test_a_compiled_engine_publishes_what_eager_computes(compiled_llm, hf) -> No
     assert sub.ended and len(caps) == session.stats.captured == 2 * 3, "2 requests x (a prefill + 2 decode steps)"
     assert len({int(c.seq_ids[0]) for c in caps}) == 2, "the paused request published nothing"
     sub.close()
+
+
+def test_a_compiled_engine_without_the_extension_is_refused_by_name() -> None:
+    """Taps added after vLLM compiled the model would never run: a compiled engine started without the extension
+    (here `WorkerExtension.probebus_attach` sent in by hand) is an error naming the fix, not a silent session.
+    Dynamo's trace without Inductor (backend "eager") keeps this engine's start short."""
+    engine = vllm.LLM(model=MODEL, dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.15,
+                      compilation_config={"backend": "eager"})
+    try:
+        with pytest.raises(Exception, match="without probebus's taps.*ENGINE_KWARGS.*enforce_eager=True"):
+            engine.collective_rpc(probe.vllm.WorkerExtension.probebus_attach,
+                                  args=(["layers.0.resid_post"], None, "complete", "norun", 1 << 20, 5.0, MODEL))
+    finally:
+        engine.llm_engine.engine_core.shutdown()
