@@ -310,7 +310,8 @@ class VllmProbe:
 def _dormant(cfg: object, model: nn.Module) -> Dormant | None:
     """The compiled model's dormant taps (`_vllm_compiled.py`); None in eager mode. A compiled model without
     them would capture nothing: that is an error naming why."""
-    if int(cfg.compilation_config.mode) == 0:  # type: ignore[attr-defined]  # enforce_eager (mode NONE)
+    # enforce_eager (compilation mode NONE), or a model vLLM runs uncompiled: the taps go in at attach
+    if int(cfg.compilation_config.mode) == 0 or getattr(getattr(model, "model", None), "do_not_compile", True):  # type: ignore[attr-defined]
         return None
     found = dormant_of(model)
     if isinstance(found, Dormant):

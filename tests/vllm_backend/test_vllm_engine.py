@@ -252,10 +252,11 @@ def test_a_compiled_engine_publishes_what_eager_computes(compiled_llm, hf) -> No
     sub.close()
 
 
-def test_a_compiled_engine_without_the_extension_is_refused_by_name() -> None:
+def test_a_compiled_engine_without_the_extension_is_refused_by_name(monkeypatch) -> None:
     """Taps added after vLLM compiled the model would never run: a compiled engine started without the extension
-    (here `WorkerExtension.probebus_attach` sent in by hand) is an error naming the fix, not a silent session.
-    Dynamo's trace without Inductor (backend "eager") keeps this engine's start short."""
+    (here `WorkerExtension.probebus_attach` sent in by hand, which vLLM sends only with insecure serialization on)
+    is an error naming the fix, not a silent session. Dynamo's trace without Inductor (backend "eager")."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     engine = vllm.LLM(model=MODEL, dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.15,
                       compilation_config={"backend": "eager"})
     try:
