@@ -211,23 +211,26 @@ def test_a_curve_session_admits_only_its_listed_clients(llm) -> None:
 @pytest.fixture(scope="module")
 def compiled_llm():
     """vLLM's default mode (no enforce_eager): the model compiled by Dynamo + Inductor at start-up, with the
-    extension's dormant taps in it (`probe/_vllm_compiled.py`)."""
+    extension's dormant taps in it (`probe/_vllm_compiled.py`). A step of at most 32 tokens chunks prefills."""
     engine = vllm.LLM(model=MODEL, dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.15,
-                      enable_prefix_caching=True, **probe.vllm.ENGINE_KWARGS)
+                      enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=8,
+                      **probe.vllm.ENGINE_KWARGS)
     assert int(engine.llm_engine.vllm_config.compilation_config.mode) != 0, "the engine compiles its model"
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
 
 def test_a_compiled_engine_publishes_what_eager_computes(compiled_llm, hf) -> None:
-    """Prefill and decode rows of a mixed batch, then a request whose prefix is cached: each equals transformers'
-    hidden state within 1e-4; nothing is captured while paused, and attach needed no enforce_eager."""
+    """Prefill (chunked) and decode rows of a mixed batch, then a request whose prefix is cached: each equals
+    transformers' hidden state within 1e-4; nothing is captured while paused, and attach needed no enforce_eager."""
     tok = _tokenizer()
     shared = "import os\nimport sys\n\n\ndef main(argv):\n    parser = None\n"
     texts = ["def parse(text):\n    return", shared + "    return 0\n", shared + "    print(argv)\n", "x = 1\n" * 20]
     prompts = [{"prompt_token_ids": tok(t)["input_ids"]} for t in texts]
     outs, caps, info = _record(compiled_llm, prompts, max_tokens=8)
     assert {c.phase for c in caps} == {"prefill", "decode"}
+    longest = _seq_of(info, outs[-1].request_id)["seq_id"]  # 81 prompt tokens: at least 3 steps of 32
+    assert len({c.step for c in caps if c.phase == "prefill" and (c.seq_ids == longest).any()}) >= 3
     assert _check_against_transformers(hf, outs, caps, info) > 1000
 
     block = compiled_llm.llm_engine.vllm_config.cache_config.block_size
