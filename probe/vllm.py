@@ -109,7 +109,8 @@ class WorkerExtension:
         return probe.wait_for_subscribers(n, timeout) if probe is not None else 0
 
     def probebus_hook_count(self) -> int:
-        """Hooks and taps on the model's modules (0 once detached)."""
+        """Hooks and taps on the model's modules (0 once detached from an eager engine; a compiled engine keeps its
+        dormant taps, `_vllm_compiled.py`)."""
         from ._hooks import tapped
 
         return tapped(self.model_runner.get_model())  # type: ignore[attr-defined]
