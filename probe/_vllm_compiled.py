@@ -79,8 +79,10 @@ def _on_submodule(module: nn.Module, name: str, value: object) -> None:
     if int(cc.mode) == 0 or value.do_not_compile:  # eager: `attach` taps the model itself
         return
     graphs = getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode))
-    if graphs != "NONE":
-        module.__dict__[_ATTR] = f"cudagraph_mode={graphs}"  # attach names the setting
+    if graphs != "NONE":  # attach names the setting
+        module.__dict__[_ATTR] = (f"compilation_config cudagraph_mode={graphs}: CUDA graphs replay the model without "
+                                  "the Python that hands captures on; start the engine with "
+                                  "compilation_config={'cudagraph_mode': 'NONE'}")
         return
     if isinstance(cfg.additional_config, dict):
         cfg.additional_config["probebus_taps"] = TAG
@@ -97,7 +99,7 @@ def _extended(path: str) -> bool:
 
 
 def dormant_of(model: nn.Module) -> Dormant | str | None:
-    """The model's dormant taps; a text naming the setting that kept them out; None: never tapped."""
+    """The model's dormant taps; a text naming the setting that kept them out, and the fix; None: never tapped."""
     return model.__dict__.get(_ATTR)
 
 

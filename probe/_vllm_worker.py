@@ -310,17 +310,20 @@ class VllmProbe:
 def _dormant(cfg: object, model: nn.Module) -> Dormant | None:
     """The compiled model's dormant taps (`_vllm_compiled.py`); None in eager mode. A compiled model without
     them would capture nothing: that is an error naming why."""
+    mode = int(cfg.compilation_config.mode)  # type: ignore[attr-defined]
+    if mode == 1:  # the runner compiles the outer model with guards: taps added now would put the identity in it
+        raise RuntimeError("probebus cannot capture with compilation_config mode=STOCK_TORCH_COMPILE, which "
+                           "compiles the whole outer model: use vLLM's default mode, or enforce_eager=True")
     # enforce_eager (compilation mode NONE), or a model vLLM runs uncompiled: the taps go in at attach
-    if int(cfg.compilation_config.mode) == 0 or getattr(getattr(model, "model", None), "do_not_compile", True):  # type: ignore[attr-defined]
+    if mode == 0 or getattr(getattr(model, "model", None), "do_not_compile", True):  # type: ignore[attr-defined]
         return None
     found = dormant_of(model)
     if isinstance(found, Dormant):
         found.check()
         return found
     if isinstance(found, str):
-        raise RuntimeError(f"probebus cannot capture in this engine's compiled model with {found}: CUDA graphs "
-                           "replay it without the Python that hands captures on. Start it with "
-                           "compilation_config={'cudagraph_mode': 'NONE'}, or with enforce_eager=True")
+        raise RuntimeError(f"probebus cannot capture in this engine's compiled model with {found}, or "
+                           "enforce_eager=True")
     raise RuntimeError("probebus: this engine compiles its model (vLLM's default mode) and its workers were "
                        "started without probebus's taps, which must be in the model before vLLM compiles it. "
                        f"Start the engine with **probe.vllm.ENGINE_KWARGS (worker_extension_cls='{EXTENSION}'), "
