@@ -43,6 +43,7 @@ the extension.
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from torch import nn
 from ._hooks import tap
 from ._sites import SiteKey
 
+log = logging.getLogger("probebus")
 EXTENSION = "probe.vllm.WorkerExtension"
 TAG = "dormant-v1"  # in the worker's config hash: tapped compiled models get their own cache entries
 _ATTR = "_probebus_dormant"  # the outer model's Dormant, in its __dict__
@@ -114,6 +116,7 @@ class Dormant:
         self.probe: object = None
         self.forwards = 0  # forwards of the outer model since start-up
         self.staging = 0  # of which the compiled code staged tensors in
+        self.warned = False
         # `outer.model` is set only after this hook returns: the arch reads the inner model from a stand-in.
         arch = VllmArch(types.SimpleNamespace(model=inner))  # type: ignore[arg-type]
         self.keys = [SiteKey.of(site) for site in arch.local_sites()]
@@ -131,6 +134,10 @@ class Dormant:
         self.forwards += 1
         self.staging += bool(staged)
         if p is not None:
+            if not staged and not self.warned:  # the compiled code no longer runs the taps: say so, once
+                self.warned = True
+                log.warning("probebus: a forward of vLLM's compiled model ran none of probebus's taps: this "
+                            "session captures nothing from it (was the model compiled again without them?)")
             keys, wanted = self.keys, p.wanted  # type: ignore[attr-defined]
             for n, t in staged:
                 key = keys[n]

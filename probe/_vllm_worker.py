@@ -16,6 +16,9 @@ last layer), copied at once where an in-place kernel's next fused add would over
 engine has shown nothing writes into them: `_vllm_defer.py`). No add of our own
 on the model's thread (a torch op per site per step costs 5-10 us of dispatch there);
 only a layer whose successor runs on another pipeline stage sums its pair itself.
+
+In vLLM's default compiled mode the same sites are tapped before vLLM compiles the model, and
+`VllmProbe` switches those taps on instead of adding its own (`_vllm_compiled.py`).
 """
 
 from __future__ import annotations
