@@ -16,6 +16,9 @@ last layer), copied at once where an in-place kernel's next fused add would over
 engine has shown nothing writes into them: `_vllm_defer.py`). No add of our own
 on the model's thread (a torch op per site per step costs 5-10 us of dispatch there);
 only a layer whose successor runs on another pipeline stage sums its pair itself.
+
+In vLLM's default compiled mode the same sites are tapped before vLLM compiles the model, and
+`VllmProbe` switches those taps on instead of adding its own (`_vllm_compiled.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from ._identity import StepIdentity
 from ._placement import parent_cpus
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
 from ._sites import SiteKey
+from ._vllm_compiled import EXTENSION, Dormant, Switch, dormant_of
 from ._vllm_defer import Check, Deferral
 from ._vllm_identity import FlatBatchIdentity
 from ._wire import REQUESTS_TOPIC, VERSION, encode_control
@@ -145,11 +149,9 @@ class VllmProbe:
 
         runner = worker.model_runner  # type: ignore[attr-defined]
         cfg = worker.vllm_config  # type: ignore[attr-defined]
-        if not cfg.model_config.enforce_eager:
-            raise RuntimeError("probebus hooks need vLLM in eager mode: torch.compile and CUDA graphs run the "
-                               "model without Python hooks. Create the engine with enforce_eager=True.")
         self.runner = runner
         self.arch = VllmArch(runner.get_model())
+        self._dormant = _dormant(cfg, self.arch.model)  # None: eager mode, where the taps go in at attach
         self.tp_rank = get_tensor_model_parallel_rank()
         self.pp_rank = get_pp_group().rank_in_group
         self.run = run
@@ -160,6 +162,7 @@ class VllmProbe:
         # a new request (1.2-1.8 ms a call timed in the worker, once per generate call at batch 1 and 8).
         self._config_hash = _discovery.config_hash(cfg.model_config.hf_config)
         self.sites = [s for s in self.arch.local_sites() if s in set(sites)]
+        self.wanted = frozenset(self.sites)
         self.publishing = self.tp_rank == 0 and bool(self.sites)
         self._ipc_dir: str | None = None
         self._handles: list = []
@@ -188,6 +191,9 @@ class VllmProbe:
         self._registered = _discovery.register(_discovery.SessionInfo.from_dict(self.info()))
 
     def _tap(self) -> None:
+        if self._dormant is not None:  # compiled: the taps are in the graph already, this switches them on
+            self._handles = [Switch(self._dormant, self)]
+            return
         model = self.arch.model
         self._handles = [tap(model, self._step_start, pre=True), tap(model, self._step_end, pre=False)]
         self._handles += [self.arch.hook(site, self._capture) for site in self.sites]
@@ -302,6 +308,29 @@ class VllmProbe:
             _discovery.unregister(self._registered)
         remove_private(self._ipc_dir)
         return out
+
+
+def _dormant(cfg: object, model: nn.Module) -> Dormant | None:
+    """The compiled model's dormant taps (`_vllm_compiled.py`); None in eager mode. A compiled model without
+    them would capture nothing: that is an error naming why."""
+    mode = int(cfg.compilation_config.mode)  # type: ignore[attr-defined]
+    if mode == 1:  # the runner compiles the outer model with guards: taps added now would put the identity in it
+        raise RuntimeError("probebus cannot capture with compilation_config mode=STOCK_TORCH_COMPILE, which "
+                           "compiles the whole outer model: use vLLM's default mode, or enforce_eager=True")
+    # enforce_eager (compilation mode NONE), or a model vLLM runs uncompiled: the taps go in at attach
+    if mode == 0 or getattr(getattr(model, "model", None), "do_not_compile", True):  # type: ignore[attr-defined]
+        return None
+    found = dormant_of(model)
+    if isinstance(found, Dormant):
+        found.check()
+        return found
+    if isinstance(found, str):
+        raise RuntimeError(f"probebus cannot capture in this engine's compiled model with {found}, or "
+                           "enforce_eager=True")
+    raise RuntimeError("probebus: this engine compiles its model (vLLM's default mode) and its workers were "
+                       "started without probebus's taps, which must be in the model before vLLM compiles it. "
+                       f"Start the engine with **probe.vllm.ENGINE_KWARGS (worker_extension_cls='{EXTENSION}'), "
+                       "or with enforce_eager=True")
 
 
 def spare_cpus() -> set[int] | None:

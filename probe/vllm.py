@@ -3,7 +3,7 @@
     from vllm import LLM
     import probe.vllm
 
-    llm = LLM(model=path, enforce_eager=True, **probe.vllm.ENGINE_KWARGS)
+    llm = LLM(model=path, **probe.vllm.ENGINE_KWARGS)  # compiled (vLLM's default) or enforce_eager=True
     with probe.vllm.attach(llm, "layers.*.resid_post") as session:
         sub = probe.Subscriber(session.endpoint)       # or probebus record --endpoint / probebus top
         session.wait_for_subscribers(1)
@@ -12,7 +12,10 @@
         cap.seq_ids, cap.positions, cap.phase          # seq_id -> request: sub.info requests map
 
 `ENGINE_KWARGS` enables `WorkerExtension` in every worker; `attach` then installs the
-hooks through `llm.collective_rpc` and `close()` removes them, without a restart. A
+hooks through `llm.collective_rpc` and `close()` removes them, without a restart. In vLLM's
+default compiled mode the extension puts dormant taps in the model before vLLM compiles it,
+and `attach` / `close()` switch them on and off (`probe/_vllm_compiled.py`): the extension
+must be there from the engine's start, which it is whenever `ENGINE_KWARGS` is. A
 server started with `--worker-extension-cls probe.vllm.WorkerExtension` (and vLLM's
 dev-mode `/collective_rpc` route) is attached with `probebus attach --vllm URL`.
 Importing `probe` never imports vLLM; this module imports it only inside the worker.
@@ -32,8 +35,12 @@ from ._endpoint import check_endpoint
 from ._publisher import MAX_DELAY_S
 from ._session import POLICIES, ProbeStats
 from ._subscriber import Subscriber
+from ._vllm_compiled import EXTENSION, watch
 
-EXTENSION = "probe.vllm.WorkerExtension"
+# In a worker vLLM imports this module (the extension) before it builds the model: from then on a model it will
+# compile gets probebus's taps before the compile (`_vllm_compiled.py`). Elsewhere this only registers a hook
+# that looks at each submodule assignment and returns.
+watch()
 ENGINE_KWARGS: dict[str, Any] = {"worker_extension_cls": EXTENSION}
 
 
@@ -102,7 +109,8 @@ class WorkerExtension:
         return probe.wait_for_subscribers(n, timeout) if probe is not None else 0
 
     def probebus_hook_count(self) -> int:
-        """Hooks and taps on the model's modules (0 once detached)."""
+        """Hooks and taps on the model's modules (0 once detached from an eager engine; a compiled engine keeps its
+        dormant taps, `_vllm_compiled.py`)."""
         from ._hooks import tapped
 
         return tapped(self.model_runner.get_model())  # type: ignore[attr-defined]

@@ -206,3 +206,65 @@ def test_a_curve_session_admits_only_its_listed_clients(llm) -> None:
     caps = list(sub.iter(idle_timeout=30))
     assert sub.ended and [c.phase for c in caps] == ["prefill", "decode", "decode"]
     assert list(stranger.iter(idle_timeout=0.5)) == [] and stranger.stats.received == 0
+
+
+@pytest.fixture(scope="module")
+def compiled_llm():
+    """vLLM's default mode (no enforce_eager): the model compiled by Dynamo + Inductor at start-up, with the
+    extension's dormant taps in it (`probe/_vllm_compiled.py`). A step of at most 32 tokens chunks prefills."""
+    engine = vllm.LLM(model=MODEL, dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.15,
+                      enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=8,
+                      **probe.vllm.ENGINE_KWARGS)
+    assert int(engine.llm_engine.vllm_config.compilation_config.mode) != 0, "the engine compiles its model"
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def test_a_compiled_engine_publishes_what_eager_computes(compiled_llm, hf) -> None:
+    """Prefill (chunked) and decode rows of a mixed batch, then a request whose prefix is cached: each equals
+    transformers' hidden state within 1e-4; nothing is captured while paused, and attach needed no enforce_eager."""
+    tok = _tokenizer()
+    shared = "import os\nimport sys\n\n\ndef main(argv):\n    parser = None\n"
+    texts = ["def parse(text):\n    return", shared + "    return 0\n", shared + "    print(argv)\n", "x = 1\n" * 20]
+    prompts = [{"prompt_token_ids": tok(t)["input_ids"]} for t in texts]
+    outs, caps, info = _record(compiled_llm, prompts, max_tokens=8)
+    assert {c.phase for c in caps} == {"prefill", "decode"}
+    longest = _seq_of(info, outs[-1].request_id)["seq_id"]  # 81 prompt tokens: at least 3 steps of 32
+    assert len({c.step for c in caps if c.phase == "prefill" and (c.seq_ids == longest).any()}) >= 3
+    assert _check_against_transformers(hf, outs, caps, info) > 1000
+
+    block = compiled_llm.llm_engine.vllm_config.cache_config.block_size
+    long = tok("\n".join(f"item_{i} = fetch({i}, {i * 3})" for i in range(200)))["input_ids"]
+    _record(compiled_llm, [{"prompt_token_ids": long[: 2 * block + 3]}], max_tokens=2)
+    outs, caps, info = _record(compiled_llm, [{"prompt_token_ids": long[: 2 * block + 11]}], max_tokens=4)
+    assert _seq_of(info, outs[0].request_id)["first_position"] == 2 * block, "the cached prefix is not recomputed"
+    _check_against_transformers(hf, outs, caps, info)
+
+    params = vllm.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with probe.vllm.attach(compiled_llm, "layers.0.mlp_out") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1, timeout=30)
+        compiled_llm.generate(["def f(x):"], params, use_tqdm=False)
+        session.pause()
+        compiled_llm.generate(["import os\n"], params, use_tqdm=False)
+        session.resume()
+        compiled_llm.generate(["class A:"], params, use_tqdm=False)
+    caps = list(sub.iter(idle_timeout=30))
+    assert sub.ended and len(caps) == session.stats.captured == 2 * 3, "2 requests x (a prefill + 2 decode steps)"
+    assert len({int(c.seq_ids[0]) for c in caps}) == 2, "the paused request published nothing"
+    sub.close()
+
+
+def test_a_compiled_engine_without_the_extension_is_refused_by_name(monkeypatch) -> None:
+    """Taps added after vLLM compiled the model would never run: a compiled engine started without the extension
+    (here `WorkerExtension.probebus_attach` sent in by hand, which vLLM sends only with insecure serialization on)
+    is an error naming the fix, not a silent session. Dynamo's trace without Inductor (backend "eager")."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    engine = vllm.LLM(model=MODEL, dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.15,
+                      compilation_config={"backend": "eager"})
+    try:
+        with pytest.raises(Exception, match="without probebus's taps.*ENGINE_KWARGS.*enforce_eager=True"):
+            engine.collective_rpc(probe.vllm.WorkerExtension.probebus_attach,
+                                  args=(["layers.0.resid_post"], None, "complete", "norun", 1 << 20, 5.0, MODEL))
+    finally:
+        engine.llm_engine.engine_core.shutdown()

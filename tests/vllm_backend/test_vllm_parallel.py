@@ -1,4 +1,4 @@
-"""Tensor parallelism and preemption inside a real vLLM engine (CPU build, TP=2 on two cores).
+"""Tensor parallelism and preemption inside a real vLLM engine (CPU build, TP=2 on two cores), eager and compiled.
 
 Every tensor-parallel rank holds the same residual stream after the all-reduce: only
 rank 0 publishes. A KV cache of 6 blocks makes the scheduler preempt and recompute
@@ -34,13 +34,14 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def llm(model_dir, request):
+    """Eager, and vLLM's default compiled mode (each rank's model compiled with probebus's dormant taps in it)."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("TP=2 on the CPU backend needs two cores")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank (one NUMA node here)
-    engine = vllm.LLM(model=model_dir, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-                      tensor_parallel_size=2, gpu_memory_utilization=0.1, num_gpu_blocks_override=6,
+    engine = vllm.LLM(model=model_dir, dtype="float32", max_model_len=512, enforce_eager=request.param == "eager",
+                      seed=0, tensor_parallel_size=2, gpu_memory_utilization=0.1, num_gpu_blocks_override=6,
                       enable_prefix_caching=False, **probe.vllm.ENGINE_KWARGS)
     yield engine
     engine.llm_engine.engine_core.shutdown()
