@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/vllm_overhead.py              # 15 interleaved rounds, batch 1 and 8
     .venv-vllm/bin/python benchmarks/vllm_overhead.py --quick
+    .venv-vllm/bin/python benchmarks/vllm_overhead.py --engines eager compiled --default-model --skip-transformers
 
 Runs where vLLM is installed (see .ci/run for the environment). Model: a random Llama
 (hidden 512, 8 layers, vocab 8192) saved to a temporary folder; prompts of 64 tokens,
@@ -12,7 +13,9 @@ with 1 torch thread, and the subscriber runs on core 1. Throughput is generated
 tokens per second of the whole `generate` call, probes off vs on, interleaved; each
 round's slowdown compares its own off and on runs (seconds apart, so they share the VM's
 drift), and the report gives the median of those (with a 90 % bootstrap interval) next to
-the ratio of the medians.
+the ratio of the medians. `--engines eager compiled`: one engine after the other, vLLM's default
+compiled mode (Dynamo + Inductor, no `enforce_eager`) beside the eager one, each with probes off and
+on, and each row's throughput against the eager engine's without probes.
 """
 
 from __future__ import annotations
@@ -58,12 +61,12 @@ def prompts(batch: int) -> list[list[int]]:
     return [torch.randint(3, 8192, (ARGS.prompt,), generator=g).tolist() for _ in range(batch)]
 
 
-def bench_vllm(path: str, endpoint: str) -> dict[int, dict[str, list[float]]]:
+def bench_vllm(path: str, endpoint: str, eager: bool = True) -> dict[int, dict[str, list[float]]]:
     import vllm
 
     import probe.vllm
 
-    llm = vllm.LLM(model=path, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
+    llm = vllm.LLM(model=path, dtype="float32", max_model_len=512, enforce_eager=eager, seed=0,
                    gpu_memory_utilization=0.15, enable_prefix_caching=False, **probe.vllm.ENGINE_KWARGS)
     params = vllm.SamplingParams(max_tokens=ARGS.new_tokens, temperature=0, ignore_eos=True)
     out: dict[int, dict[str, list[float]]] = {}
@@ -121,9 +124,14 @@ def bench_transformers(path: str, endpoint: str) -> dict[int, dict[str, list[flo
     return out
 
 
-def report(name: str, results: dict[int, dict[str, list[float]]]) -> None:
+def report(name: str, results: dict[int, dict[str, list[float]]],
+           base: dict[int, dict[str, list[float]]] | None = None) -> None:
     for batch, res in results.items():
         off, on = statistics.median(res["off"]), statistics.median(res["on"])
+        if base is not None:
+            ref = statistics.median(base[batch]["off"])
+            print(f"  {name:12s} batch {batch}: against the eager engine without probes: probes off "
+                  f"{off / ref:.2f}x, on {on / ref:.2f}x")
         pairs = [100 * (1 - b / a) for a, b in zip(res["off"], res["on"], strict=True)]
         lo, hi = bootstrap_median(pairs)
         print(f"  {name:12s} batch {batch}: off {off:7.1f} tok/s [{min(res['off']):.1f}..{max(res['off']):.1f}]"
@@ -139,6 +147,9 @@ if __name__ == "__main__":
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="concurrent requests (default: 1 8)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (default: %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens per request (default: %(default)s)")
+    ap.add_argument("--engines", nargs="+", choices=("eager", "compiled"), default=["eager"])
+    ap.add_argument("--default-model", action="store_true", help="the shipped default model, not a random one")
+    ap.add_argument("--skip-transformers", action="store_true")
     ARGS = ap.parse_args()
     if ARGS.quick:
         ARGS.repeats, ARGS.new_tokens = 2, 12
@@ -148,14 +159,21 @@ if __name__ == "__main__":
     print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, vllm {vllm.__version__}; "
           f"prompt {ARGS.prompt}, {ARGS.new_tokens} new tokens, {ARGS.repeats} interleaved rounds")
     folder = tempfile.mkdtemp(prefix="probebus-vllm-bench-")
-    build(folder)
+    if ARGS.default_model:
+        from probebus.models import DEFAULT_MODEL_DIR as model_dir
+    else:
+        build(folder)
+        model_dir = folder
     endpoint = f"ipc://{folder}/bus"
     drain = subprocess.Popen([sys.executable, "-c", DRAIN, endpoint, "1"])
     try:
-        v = bench_vllm(folder, endpoint)
-        t = bench_transformers(folder, endpoint)
+        v = {e: bench_vllm(str(model_dir), endpoint, eager=e == "eager") for e in ARGS.engines}
+        t = None if ARGS.skip_transformers else bench_transformers(str(model_dir), endpoint)
     finally:
         drain.kill()
-    print("decode throughput with probes off/on (layers.*.resid_post, a draining subscriber on core 1):")
-    report("vLLM", v)
-    report("transformers", t)
+    print(f"{'the default model' if ARGS.default_model else 'random Llama'}: decode throughput with probes "
+          "off/on (layers.*.resid_post, a draining subscriber on core 1):")
+    for e, res in v.items():
+        report(f"vLLM {e}", res, v.get("eager"))
+    if t is not None:
+        report("transformers", t)

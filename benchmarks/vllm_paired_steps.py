@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/vllm_paired_steps.py            # batch 1 and 8, 12 generates per mode
     .venv-vllm/bin/python benchmarks/vllm_paired_steps.py --quick
+    .venv-vllm/bin/python benchmarks/vllm_paired_steps.py --compiled --default-model --modes a/a probebus
 
 `vllm_overhead.py` compares whole `generate` calls seconds apart; on this shared VM their
 per-round spread (20-40 points) hides a 3 % effect. Here, as `paired_steps.py` does for
@@ -90,11 +91,17 @@ def main() -> None:
     import probe.vllm
 
     folder = tempfile.mkdtemp(prefix="probebus-vllm-paired-")
-    build(folder)
+    model = folder
+    if ARGS.default_model:
+        from probebus.models import DEFAULT_MODEL_DIR
+
+        model = str(DEFAULT_MODEL_DIR)
+    else:
+        build(folder)
     endpoint = f"ipc://{folder}/bus"
     drain = subprocess.Popen([sys.executable, "-c", DRAIN, endpoint, "1"])
     try:
-        llm = vllm.LLM(model=folder, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
+        llm = vllm.LLM(model=model, dtype="float32", max_model_len=512, enforce_eager=not ARGS.compiled, seed=0,
                        gpu_memory_utilization=0.15, enable_prefix_caching=False, **probe.vllm.ENGINE_KWARGS)
         worker = llm.llm_engine.model_executor.driver_worker.worker
         params = vllm.SamplingParams(max_tokens=ARGS.new_tokens, temperature=0, ignore_eos=True)
@@ -140,6 +147,8 @@ def main() -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run")
+    ap.add_argument("--compiled", action="store_true", help="vLLM's default compiled mode (no enforce_eager)")
+    ap.add_argument("--default-model", action="store_true", help="the shipped default model, not a random one")
     ap.add_argument("--generates", type=int, default=12, help="generate calls per mode and batch (default: 12)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
