@@ -34,6 +34,7 @@ from ._arch import SiteError, resolve_arch
 from ._copy import CopyPath
 from ._curve import Clients, curve_settings
 from ._endpoint import bind_address, remove_private
+from ._exit import close_at_exit
 from ._hooks import Hooks
 from ._identity import stop_tokens
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
@@ -121,6 +122,7 @@ class ProbeSession:
         self.publisher.set_info(info.to_dict())
         self._registered = _discovery.register(info)
         self._announced = True
+        close_at_exit(self)  # a process that ends without close() still sends its held steps and the end
 
     # --- public API --------------------------------------------------------------------
     @property

@@ -35,6 +35,7 @@ from ._arch import LAYER_SITES, ArchitectureError, SiteError
 from ._copy import CopyPath
 from ._curve import curve_settings
 from ._endpoint import bind_address, remove_private
+from ._exit import close_at_exit
 from ._hooks import tap
 from ._identity import StepIdentity
 from ._placement import parent_cpus
@@ -186,6 +187,7 @@ class VllmProbe:
         self._tap()
         self.publisher.set_info(self.info)  # built when an info goes out (a new subscriber), never per step
         self._registered = _discovery.register(_discovery.SessionInfo.from_dict(self.info()))
+        close_at_exit(self)  # a worker that exits without detach still sends its held steps and the end
 
     def _tap(self) -> None:
         model = self.arch.model
@@ -291,6 +293,8 @@ class VllmProbe:
         return len(pub.subscribers)
 
     def close(self, timeout: float) -> dict:
+        if self._closed:  # idempotent: detach, then the exit hook (`_exit.py`)
+            return self.stats()
         self._closed = True
         self.pause(flush=False)
         if self.publisher is not None:

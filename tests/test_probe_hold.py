@@ -141,3 +141,57 @@ def test_the_linger_follows_what_held_sends_cost_within_its_bounds() -> None:
         assert pub.linger == 0.001 and len(pub._burst_s) >= 3
         assert all(0 < c < 0.5 for c in pub._burst_s), list(pub._burst_s)
     assert probe.attach.__kwdefaults__["max_delay"] == 0.5
+
+
+EXITING = """
+import sys, torch, probe
+from models import build
+how = sys.argv[1]
+model = build("llama")
+session = probe.attach(model, "layers.*.resid_post", max_delay=60.0)
+session.publisher._adapt(1.0)  # as if a held send had cost 1 s: the linger is 60 s, nothing leaves before exit
+print(session.endpoint, flush=True)
+session.wait_for_subscribers(1, timeout=30)
+with torch.no_grad():
+    for _ in range(4):
+        model(torch.tensor([[5, 6, 7, 8]]))
+assert session.stats.queued == 4 * model.config.num_hidden_layers  # every step still held
+if how == "sys.exit":
+    sys.exit(3)
+if how == "uncaught exception":
+    raise RuntimeError("the caller's own bug")
+# "normal end": the script just ends, the session never closed
+"""
+
+
+@pytest.mark.parametrize(("how", "rc"), [("normal end", 0), ("sys.exit", 3), ("uncaught exception", 1)])
+def test_held_steps_and_the_end_of_stream_go_out_when_the_process_exits_without_close(how: str, rc: int) -> None:
+    """A process that attaches, steps and exits without close() still sends every held step and the end of
+    stream (at interpreter exit), however it exits: nothing is lost silently."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests])}
+    child = subprocess.Popen([sys.executable, "-c", EXITING, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        endpoint = child.stdout.readline().strip()
+        assert endpoint, child.stderr.read()
+        sub = probe.Subscriber(endpoint)
+        caps, quiet_since, deadline = [], None, time.monotonic() + 60
+        while not sub.ended and time.monotonic() < deadline:  # until the end of stream, or 3 s of quiet after exit
+            cap = sub.recv(timeout=0.5)
+            if cap is not None:
+                caps.append(cap)
+            elif child.poll() is not None:
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since > 3:
+                    break
+        assert child.wait(timeout=60) == rc
+    finally:
+        child.kill()
+    n = 3
+    assert [(c.step, c.site) for c in caps] == [(s, f"layers.{i}.resid_post") for s in range(1, 5) for i in range(n)]
+    assert sub.ended and sub.stats.missed == 0 and sub.end_counts == {f"layers.{i}.resid_post": 4 for i in range(n)}
