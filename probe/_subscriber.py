@@ -131,6 +131,16 @@ class SubscriberStats:
     errors: dict[str, int] = field(default_factory=dict)
 
 
+def _counts(counts: object) -> dict[str, int]:
+    """Per-site counts from a control message: an object of whole numbers 0 <= n < 2**63, else WireError."""
+    if not isinstance(counts, dict):
+        raise WireError("control", "counts are not an object")
+    for n in counts.values():
+        if type(n) is not int or not 0 <= n < 1 << 63:
+            raise WireError("control", "a count is not a whole number")
+    return {str(k): n for k, n in counts.items()}
+
+
 def parse_capture(frames: list) -> Capture:
     """Validate and decode one multipart message of bytes or zmq.Frames (raises WireError)."""
     if len(frames) not in (1, 2):
@@ -294,36 +304,39 @@ class Subscriber:
         return None
 
     def _control(self, frame: bytes) -> None:
+        """Apply a control message, or count it malformed and change nothing: every field is checked before any
+        state changes (a bad end of stream must not end the stream, a bad info must not replace a good one)."""
         try:
             if frame.startswith(INFO_TOPIC):
                 body = decode_control(frame, INFO_TOPIC)
+                counts = _counts(body.get("counts") or {})
                 info = SessionInfo.from_dict(body)
                 self.info = dataclasses.replace(info, requests=self._requests.from_info(info.requests))
-                for site, n in (body.get("counts") or {}).items():  # published before we joined: not missed
-                    self._next_seq.setdefault(str(site), int(n))
+                for site, n in counts.items():  # published before we joined: not missed
+                    self._next_seq.setdefault(site, n)
             elif frame.startswith(END_TOPIC):
                 self._end(decode_control(frame, END_TOPIC))
             elif frame.startswith(REQUESTS_TOPIC):
                 body = decode_control(frame, REQUESTS_TOPIC)
+                recomputed = body.get("recomputed")
+                if recomputed is not None:
+                    recomputed = _counts({"recomputed": recomputed})["recomputed"]
                 if self._requests.from_delta(body.get("requests") or {}) and not self.ended:
                     # A lost message: re-announcing our presence makes the publisher send its whole map again.
                     self._sock.setsockopt(zmq.UNSUBSCRIBE, self.presence)
                     self._sock.setsockopt(zmq.SUBSCRIBE, self.presence)
-                if self.info is not None and "recomputed" in body:
-                    self.info = dataclasses.replace(self.info, recomputed=int(body["recomputed"]))
+                if self.info is not None and recomputed is not None:
+                    self.info = dataclasses.replace(self.info, recomputed=recomputed)
             # other control topics are for newer versions: ignored, not malformed
-        except (WireError, TypeError, ValueError):
+        except (WireError, TypeError, ValueError, OverflowError, RecursionError, AttributeError):
             self._malformed("control", "bad control message")
 
     def _end(self, body: dict) -> None:
-        counts = body.get("counts")
-        if not isinstance(counts, dict):
-            raise WireError("control", "end of stream without counts")
+        ends = _counts(body.get("counts"))
         source = str(body.get("endpoint", ""))
         if source in self._ended_from:  # the publisher repeats it until acknowledged
             return
         self._ended_from.add(source)
-        ends = {str(k): int(v) for k, v in counts.items()}
         for site, n in ends.items():  # what never arrived at the tail of each site's stream
             if self.matcher.everything or self.matcher.matches(site):
                 self.stats.missed += max(0, n - self._next_seq.get(site, 0))

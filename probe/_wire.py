@@ -424,6 +424,8 @@ def decode_control(frame: bytes | memoryview, topic: bytes) -> dict:
         body = json.loads(bytes(frame[len(topic):]))
     except (ValueError, UnicodeDecodeError):
         raise WireError("control", "control message is not JSON") from None
+    except RecursionError:  # deep nesting: no control message of ours nests more than a few levels
+        raise WireError("control", "control message nests too deeply") from None
     if not isinstance(body, dict):
         raise WireError("control", "control message is not a JSON object")
     return body
