@@ -162,7 +162,7 @@ def live_sessions() -> list[SessionInfo]:
     for path in folder.glob("*.json"):
         try:
             info = SessionInfo.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError, RecursionError):
             continue
         if not _alive(info.pid):
             unregister(path)

@@ -69,8 +69,18 @@ def test_generate_json_with_the_default_drafter_matches_no_drafter(capsys: pytes
         code, out, _ = _main_io(capsys, *args, "--drafter", drafter)
         assert code == 0
         outs[drafter] = json.loads(out.strip().splitlines()[-1])
-    assert outs["default"]["token_ids"] == outs["none"]["token_ids"] == outs["ngram"]["token_ids"]
-    assert outs["default"]["text"] and outs["default"]["stats"]["tau"] > outs["none"]["stats"]["tau"] == 1.0
+    # Whether scheduled drafting pays depends on this machine's measured costs at the moment (a loaded machine
+    # may rightly take plain steps): the scheduled runs are checked for the output only, `--fixed` for the
+    # drafter's work (it drafts every round, whatever the costs), and the speed-up belongs to the benchmarks.
+    code, out, _ = _main_io(capsys, *args, "--drafter", "default", "--fixed")
+    assert code == 0
+    outs["fixed"] = json.loads(out.strip().splitlines()[-1])
+    assert outs["default"]["token_ids"] == outs["none"]["token_ids"] == outs["ngram"]["token_ids"] == \
+        outs["fixed"]["token_ids"]
+    assert outs["default"]["text"] and outs["none"]["stats"]["tau"] == 1.0
+    fixed = outs["fixed"]["stats"]
+    assert fixed["eagle_rounds"] == fixed["rounds"] > 0 and 0 < fixed["drafted"] <= 5 * fixed["rounds"]
+    assert fixed["accepted"] > 0 and fixed["tau"] > 1.0  # the shipped head's drafts are right on this prompt
     code, err = _main(capsys, "generate", "--model", "default", "--drafter", "/nonexistent", "--prompt", "x")
     assert code == 2 and "not a name" in err and "nor a folder" in err
 
