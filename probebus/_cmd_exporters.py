@@ -323,6 +323,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise LoadError(str(exc)) from None
     except OSError as exc:
         raise LoadError(f"cannot read {args.dir}: {exc.strerror or exc}") from None
+    except (KeyError, TypeError, AttributeError, IndexError, RecursionError, pa.ArrowException) as exc:
+        # A damaged or crafted file the checks above did not name (`exporters/_safe.py`): one line, no traceback.
+        raise LoadError(f"{args.dir} is not a readable probebus recording ({type(exc).__name__}: "
+                        f"{str(exc)[:200]})") from None
     if args.json:
         print(json.dumps(info, indent=1))
     else:
