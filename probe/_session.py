@@ -56,9 +56,10 @@ class ProbeStats:
                 held for a later send (no live subscriber; at most a linger old while the model
                 steps, ~50 ms more once it stops: see `max_delay`) and device copies in flight (CUDA); 0 after close
     degraded    `complete` hit `stall_timeout` and stopped blocking on a full subscriber
-    torn        large captures sent from the model's own tensor (`borrow`) that the model wrote into in
-                place before ZeroMQ had sent them: they may mix old and new values (the session copies
-                every capture after the first)
+    torn        large captures borrowed from the model's own tensor (`borrow`) that the model wrote into in
+                place after their hook: one written before its send is dropped (never sent), one written
+                while ZeroMQ sent it may mix old and new values and is flagged to subscribers in-band
+                (`Subscriber.torn`); the session copies every capture after the first
     """
 
     captured: int
@@ -345,7 +346,8 @@ def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None
                     the model's tensor itself, held until ZeroMQ has sent it (at most capacity_bytes of
                     them), instead of copied at its hook, as `output_hidden_states` and TransformerLens's
                     cache keep references. A model that writes into such a tensor in place before the
-                    send is caught by the tensor's version counter: stats.torn, a warning, and every
+                    send is caught by the tensor's version counter: the capture is dropped (or, written
+                    while being sent, flagged in-band: `Subscriber.torn`), stats.torn, a warning, and every
                     later capture is copied. False copies every capture at its hook.
     """
     return ProbeSession(model, sites, endpoint=endpoint, policy=policy, capacity_bytes=capacity_bytes, run=run,

@@ -46,6 +46,7 @@ from ._wire import (
     LIVE_PRESENCE,
     PRESENCE,
     REQUESTS_TOPIC,
+    TORN_TOPIC,
     WireError,
     decode_control,
     decode_fields,
@@ -121,7 +122,8 @@ class Capture:
 class SubscriberStats:
     """received: captures delivered; missed: published by the session but lost before reaching
     us (sequence gaps, and the end-of-stream counts); malformed: invalid messages, by category
-    in `errors` (fixed keys, see probe._wire.ERROR_KINDS); filtered: valid but not asked for."""
+    in `errors` (fixed keys, see probe._wire.ERROR_KINDS); filtered: valid but not asked for;
+    torn: captures the session flagged after sending them (may mix old and new values)."""
 
     received: int = 0
     bytes: int = 0
@@ -129,6 +131,7 @@ class SubscriberStats:
     filtered: int = 0
     missed: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    torn: int = 0  # captures received that the session flagged as torn afterwards (`Subscriber.torn`)
 
 
 def _counts(counts: object) -> dict[str, int]:
@@ -181,6 +184,9 @@ class Subscriber:
         self._warned_version = False
         self._held: deque[Capture] = deque()  # captures that arrived while wait_info looked for the info
         self._requests = RequestMap()  # a vLLM session's seq_id -> request (`info.requests`, `take_requests`)
+        # (site, seq) of captures the session flagged as torn after sending them (`_borrow.py`), the last 10,000:
+        # such a capture may mix old and new values (a model that wrote into its tensor while it was sent).
+        self.torn: deque[tuple[str, int]] = deque(maxlen=10_000)
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -193,6 +199,7 @@ class Subscriber:
             self._sock.setsockopt(zmq.SUBSCRIBE, INFO_TOPIC)
             self._sock.setsockopt(zmq.SUBSCRIBE, END_TOPIC)
             self._sock.setsockopt(zmq.SUBSCRIBE, REQUESTS_TOPIC)
+            self._sock.setsockopt(zmq.SUBSCRIBE, TORN_TOPIC)
         # Subscribed last: once the publisher sees it, all topic filters above are in place.
         # A live subscriber's presence topic tells the publisher to send every step at its end instead of
         # holding steps for up to its max_delay (see `Publisher.send_bundles`).
@@ -327,6 +334,14 @@ class Subscriber:
                     self._sock.setsockopt(zmq.SUBSCRIBE, self.presence)
                 if self.info is not None and recomputed is not None:
                     self.info = dataclasses.replace(self.info, recomputed=recomputed)
+            elif frame.startswith(TORN_TOPIC):
+                body = decode_control(frame, TORN_TOPIC)
+                site, seq = body.get("site"), body.get("seq")
+                if not isinstance(site, str) or type(seq) is not int or seq < 0:
+                    raise WireError("control", "a torn flag without site and seq")
+                if self.matcher.everything or self.matcher.matches(site):
+                    self.torn.append((site, seq))
+                    self.stats.torn += 1
             # other control topics are for newer versions: ignored, not malformed
         except (WireError, TypeError, ValueError, OverflowError, RecursionError, AttributeError):
             self._malformed("control", "bad control message")
