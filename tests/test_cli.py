@@ -93,3 +93,25 @@ def test_every_option_has_help_text(command: str) -> None:
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     missing = [a.option_strings or a.dest for a in sub._actions if not a.help and a.dest != "help"]
     assert not missing, f"{command}: options without help text: {missing}"
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.6, 1.2, 2.0, 3.5])
+def test_sigint_at_any_point_of_start_up_ends_with_one_line(delay: float) -> None:
+    """Ctrl-C while probebus imports torch, loads the model or generates: one line, exit 130. It printed
+    tracebacks (KeyboardInterrupt inside an import, rc -2 or 1, once `ImportError: cannot load module more than
+    once per process`). Where the signal lands depends on the machine's speed; every point must end the same."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "probebus", "generate", "--model", "default", "--prompt", "x",
+                             "--max-new-tokens", "1000", "--drafter", "none"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err[-3000:])
+    assert err.strip().splitlines()[-1] == "probebus generate: interrupted", err[-3000:]
