@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -112,6 +113,8 @@ class ProbeSession:
         self._hooks = Hooks(model, self.arch, self._copy, self.publisher, stop)
         self._closed = False
         self._paused: list[str] | None = None  # the sites a pause took off, until resume()
+        self._muted = False  # that pause left the taps in place, capturing nothing (paused from another thread)
+        self._pause_lock = threading.Lock()
         self._announced = False
         self._registered = None
         try:
@@ -154,13 +157,29 @@ class ProbeSession:
 
         The site list that subscribers and `probe.live_sessions()` see stays as it is: a pause is not a
         change of what the session captures, so nothing is announced (~40 us, where add/remove announce
-        the new list and rewrite the discovery file: ~0.7 ms)."""
+        the new list and rewrite the discovery file: ~0.7 ms).
+
+        From any thread. From a thread other than the model's, while the model may be inside a forward, the
+        taps stay and capture nothing until `resume()` (taking them off mid-forward took the step's end with
+        them: captures stopped for good, or came with fresh seq_ids and positions); the model's forwards are
+        still counted as steps then, so identities stay right across the pause."""
         if self._closed:
             raise RuntimeError("this probe session is closed")
-        if self._paused is None:
-            self._paused = sorted(self._hooks.active)
-            self._hooks.change("remove", self._paused)
-            self.publisher.flush_held()  # nothing waits for a step that may not come soon
+        with self._pause_lock:
+            if self._paused is None:
+                names = sorted(self._hooks.active)
+                self._muted = not self._on_model_thread()
+                if self._muted:
+                    self._hooks.active.difference_update(names)  # each site's tap checks this set: off at once
+                else:
+                    self._hooks.change("remove", names)
+                self._paused = names
+        self.publisher.flush_held()  # nothing waits for a step that may not come soon
+
+    def _on_model_thread(self) -> bool:
+        """No forward of the model can be running on another thread: we are its thread, or it never ran one."""
+        model_thread = self._hooks._model_thread
+        return model_thread is None or model_thread == threading.get_ident()
 
     def flush(self) -> None:
         """Send the decode steps held for a later burst now, instead of once they are a linger old.
@@ -188,10 +207,24 @@ class ProbeSession:
             self.flush()
 
     def resume(self) -> None:
-        """Put back the taps `pause()` took off."""
-        if self._paused is not None and not self._closed:
+        """Put back the taps `pause()` took off; from any thread (see `pause`)."""
+        with self._pause_lock:
+            if self._paused is None or self._closed:
+                return
             names, self._paused = self._paused, None
-            self._hooks.change("add", names)
+            hooks = self._hooks
+            if self._muted:  # the taps never left: capture again from the next site hook on
+                hooks.active.update(names)
+            elif self._on_model_thread():
+                hooks.change("add", names)
+            else:
+                # The taps are off, so the step start that applies a pending change would never run: put them back
+                # now, silent (the model may be inside an unprobed forward, whose layers must not capture without
+                # a step identity), and let the next forward's step start switch them on, at a step boundary.
+                with hooks._lock:
+                    hooks._apply("add", names)
+                    hooks.active.difference_update(names)
+                    hooks._pending.append(("add", names))
 
     @property
     def info(self) -> _discovery.SessionInfo:
