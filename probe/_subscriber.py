@@ -294,7 +294,12 @@ class Subscriber:
             self.stats.filtered += 1
             return None
         site = cap.site
-        expect = self._next_seq.get(site, 0)
+        expect = self._next_seq.get(site)
+        if expect is None:
+            # A late joiner can receive captures before the session's info (the publisher's I/O thread applies a
+            # subscription before the model's thread reads it and sends the info, up to 100 ms of steps later):
+            # until an info says what was published before we joined, our first capture of a site is the start.
+            expect = 0 if self.info is not None else cap.seq
         if cap.seq > expect:
             self.stats.missed += cap.seq - expect
         self._next_seq[site] = cap.seq + 1

@@ -573,3 +573,41 @@ def test_type_confused_control_frames_are_counted_and_skipped_by_a_subscriber_a_
     assert top.returncode == 0 and "Traceback" not in top_err, top_err
     totals = json.loads(top_out)
     assert totals["ended"] and totals["captures"] == 3 and totals["malformed"] >= len(hostile), totals
+
+
+def test_a_late_joiner_counts_nothing_missed_that_was_published_before_it_joined() -> None:
+    """Joining a session that is stepping, a subscriber may receive captures before the session info (ZeroMQ's I/O
+    thread applies its subscription before the model's thread reads it and sends the info): it used to count every
+    capture published before it joined as missed (a recorder reported "lost N (missed on the bus N)" with no hole
+    in its data). Each of 6 joiners here receives an unbroken run of seqs per site and counts 0 missed."""
+    model = build("llama")
+    stop = threading.Event()
+    with probe.attach(model, "layers.*.resid_post", max_delay=0) as session:
+        def step() -> None:
+            with torch.no_grad():
+                while not stop.is_set():
+                    model(torch.tensor([[5, 6, 7, 8]]))
+                    time.sleep(0.001)
+
+        stepper = threading.Thread(target=step)
+        stepper.start()
+        try:
+            while session.step < 20:
+                time.sleep(0.01)
+            results = []
+            for _ in range(6):
+                sub = probe.Subscriber(session.endpoint)
+                seqs: dict[str, list[int]] = {}
+                deadline = time.monotonic() + 0.7
+                while time.monotonic() < deadline:
+                    cap = sub.recv(timeout=0.1)
+                    if cap is not None:
+                        seqs.setdefault(cap.site, []).append(cap.seq)
+                sub.close()
+                results.append((sub.stats.missed, seqs))
+        finally:
+            stop.set()
+            stepper.join(30)
+    for missed, seqs in results:
+        assert seqs and missed == 0, [(m, {k: (v[0], len(v)) for k, v in s.items()}) for m, s in results]
+        assert all(v == list(range(v[0], v[0] + len(v))) for v in seqs.values())  # nothing really lost either
