@@ -1,6 +1,7 @@
 """A subscriber's copy of a vLLM session's request map: which vLLM request each seq_id is.
 
-    sub.info.requests[cap.seq_ids[0]]   # {"seq_id": 3, "request_id": "7", "first_position": 0}
+    sub.info.requests[cap.seq_ids[0]]   # {"seq_id": 3, "request_id": "7", "first_position": 0,
+                                        #  "cached_positions": 0, "joined": False}
     sub.take_requests()                 # entries that arrived since the last call (a recorder writes them)
 
 The worker assigns seq_ids in the order requests start (0, 1, 2 ...). The session info
@@ -72,7 +73,8 @@ class RequestMap:
         return new
 
 
-_ENTRY_TYPES = {"seq_id": int, "first_position": int, "request_id": str}  # the fields consumers read, typed
+# the fields consumers read, typed ("joined", a bool, is a JSON scalar like any other)
+_ENTRY_TYPES = {"seq_id": int, "first_position": int, "request_id": str, "cached_positions": int}
 
 
 def check_entry(seq_id: int, entry: object) -> None:

@@ -166,6 +166,7 @@ class VllmProbe:
         self._handles: list = []
         self._idents: list[StepIdentity] = []
         self._flat = FlatBatchIdentity()  # request, position, token and phase of each row, step by step
+        self._flat.watch(getattr(runner, "requests", ()))  # requests running at attach: `joined` in the map
         self._defer = Deferral(enabled=runner.device.type == "cpu")  # decode steps captured at their end
         self._deferred: list | None = None  # this step's captures, while deferring
         self._check: Check | None = None  # this step's, while checking that deferring is safe
@@ -213,6 +214,7 @@ class VllmProbe:
 
     def resume(self) -> None:
         if self.publisher is not None and not self._handles and not self._closed:
+            self._flat.watch(getattr(self.runner, "requests", ()))  # what ran while paused: joined, not cached
             self._tap()
 
     # --- the model's thread ---------------------------------------------------------------------
