@@ -180,3 +180,46 @@ def test_serve_drafter_takes_no_orders_it_should_not(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def test_serve_drafter_with_curve_serves_only_its_listed_clients(tmp_path: Path) -> None:
+    """`--allow-remote --curve-secret --curve-clients`: a listed client drafts (and may stop it, from anywhere);
+    a client with another key gets no answer at all (the handshake is refused), and no warning is printed."""
+    import zmq
+    import zmq.auth
+
+    keys, clients = tmp_path / "keys", tmp_path / "clients"
+    keys.mkdir()
+    clients.mkdir()
+    server_public, server_secret_file = zmq.auth.create_certificates(keys, "server")
+    client_public_file, client_secret_file = zmq.auth.create_certificates(keys, "client")
+    (clients / "client.key").write_bytes(Path(client_public_file).read_bytes())
+    server_public = zmq.auth.load_certificate(server_public)[0]
+    client = zmq.auth.load_certificate(client_secret_file)
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "probebus", "serve-drafter", "--bind", f"tcp://0.0.0.0:{port}",
+                                 "--allow-remote", "--curve-secret", str(server_secret_file), "--curve-clients",
+                                 str(clients)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        listed = None
+        for _ in range(12):
+            if proc.poll() is not None:
+                break
+            try:
+                listed = RemoteEagle(f"tcp://127.0.0.1:{port}", timeout=10, curve_server_key=server_public,
+                                     curve_client_key=client)
+                break
+            except TimeoutError:
+                continue
+        assert listed is not None, log.read_text()[-2000:]
+        assert listed.config.aux_layer_ids and "open to anyone" not in log.read_text()
+        with pytest.raises(TimeoutError):
+            RemoteEagle(f"tcp://127.0.0.1:{port}", timeout=3, curve_server_key=server_public)  # a one-off key
+        listed.shutdown()  # a CURVE client may stop it
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
