@@ -50,7 +50,7 @@ def check_request(op: object, header: dict, arrays: list[torch.Tensor], limits: 
             raise Refused(f"a prepare of batch {batch} x {max_len} positions needs ~{need / 2**20:,.0f} MiB, over "
                           f"this server's {limits['prepare_bytes'] / 2**20:,.0f} MiB (serve-drafter --max-prepare-mb)")
     elif op == "draft":
-        _int(header, "k", 1, 64)
+        _int(header, "k", 0, 256)  # 0: the scheduler may ask for no draft this round
         t = header.get("temperature")
         if type(t) not in (int, float) or not math.isfinite(t) or t < 0:
             raise ValueError(f"'temperature' must be a finite number >= 0, got {str(t)[:40]}")
