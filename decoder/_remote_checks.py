@@ -55,8 +55,8 @@ def check_request(op: object, header: dict, arrays: list[torch.Tensor], limits: 
         if type(t) not in (int, float) or not math.isfinite(t) or t < 0:
             raise ValueError(f"'temperature' must be a finite number >= 0, got {str(t)[:40]}")
         seed = header.get("seed")
-        if seed is not None and (type(seed) is not int or not 0 <= seed < 1 << 63):
-            raise ValueError("'seed' must be null or a whole number >= 0")
+        if seed is not None and (type(seed) is not int or not -(1 << 63) <= seed < 1 << 64):
+            raise ValueError("'seed' must be null or a whole number")
         if header.get("plan") is not None and not isinstance(header["plan"], dict):
             raise ValueError("'plan' must be null or an object")
         if len(arrays) != 4 or any(a.dtype != torch.int64 for a in arrays):
