@@ -167,7 +167,7 @@ def serve_drafter(bind: str, drafter: Eagle3Drafter, *, allow_remote: bool = Fal
                 header, arrays = _unpack(frames)
                 op = header.get("op")
                 check_request(op, header, arrays, limits)
-                if op in ("exit", "subscribe") and secret is None and not trusted_peer(frames[0]):
+                if op in ("exit", "subscribe") and secret is None and not trusted_peer(frames[0], bind):
                     raise Refused(f"{op!r} is taken only from this machine or a CURVE client")
                 if op in ("prepare", "draft") and feeder is None:
                     raise RuntimeError(f"{op!r} before 'subscribe': no loop is connected to this drafter")

@@ -67,8 +67,11 @@ def check_request(op: object, header: dict, arrays: list[torch.Tensor], limits: 
             raise ValueError("draft arrays of inconsistent shapes")
 
 
-def trusted_peer(frame: zmq.Frame) -> bool:
-    """The message came from this machine: over ipc (file permissions decide who connects) or loopback TCP."""
+def trusted_peer(frame: zmq.Frame, bind: str) -> bool:
+    """The message came from this machine: the server binds ipc (file permissions decide who connects; the peer
+    "address" ZeroMQ gives there is no IP) or the peer's TCP address is loopback."""
+    if not bind.startswith("tcp://"):
+        return True
     try:
         address = frame.get("Peer-Address")
     except (zmq.ZMQError, AttributeError):  # ipc and inproc peers have no address
