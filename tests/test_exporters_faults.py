@@ -23,6 +23,7 @@ import exporters
 import probe
 from exporters import _files
 from exporters._gaps import GapCounter
+from exporters._safe import RecordingError
 
 IDS, MASK = left_padded([[5, 17, 33, 9], [40, 41, 42, 43, 44, 45, 46], [7, 8]])
 
@@ -249,7 +250,9 @@ def test_repair_makes_a_killed_recorders_rows_visible_to_every_reader(tmp_path: 
     assert salvaged > 0 and not list(out.glob("*.arrow"))
     assert ds.dataset(str(out), format="ipc").count_rows() == 0  # what third-party readers saw
 
-    old = os.stat(streams[0]).st_mtime - 60  # (a stream written moments ago may be a live recorder's)
+    with pytest.raises(RecordingError, match="may still be running"):
+        exporters.repair_recording(out)  # written moments ago under a manifest saying recording: maybe live
+    old = os.stat(streams[0]).st_mtime - 60
     for f in out.glob("*.inprogress"):
         os.utime(f, (old, old))
     res = subprocess.run([sys.executable, "-m", "probebus", "inspect", str(out), "--repair", "--json"], cwd=ROOT,
