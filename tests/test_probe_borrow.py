@@ -88,10 +88,15 @@ def test_a_tensor_written_in_place_before_its_send_is_never_sent_and_copying_tak
     assert session.stats.torn == 1 and session.stats.published == 2
 
 
-def test_a_tensor_written_while_zeromq_sends_it_is_flagged_to_subscribers() -> None:
+def test_a_tensor_written_while_zeromq_sends_it_is_flagged_to_subscribers(tmp_path) -> None:  # noqa: ANN001
     """A write after the step's end, while ZeroMQ still sends the capture from the tensor (here: the subscriber
     reads nothing yet, so 3 MiB wait in the pipe), cannot be undone: the capture arrives with mixed values, and the
-    session flags it in-band once it knows (site, seq in `Subscriber.torn`, `SubscriberStats.torn`)."""
+    session flags it in-band once it knows (site, seq in `Subscriber.torn`, `SubscriberStats.torn`); a recorder
+    counts it in its manifest."""
+    import json
+
+    import exporters
+
     model = build("llama")
     ids = torch.randint(3, 128, (16, 256), generator=torch.Generator().manual_seed(0))  # 1 MiB a capture
     kept: list[torch.Tensor] = []
@@ -99,6 +104,7 @@ def test_a_tensor_written_while_zeromq_sends_it_is_flagged_to_subscribers() -> N
         out[0] if isinstance(out, tuple) else out))
     try:
         with probe.attach(model, "layers.*.resid_post") as session:
+            rec = exporters.ArrowRecorder(session, tmp_path / "rec").start()
             sub = probe.Subscriber(session.endpoint, rcvhwm=1)
             session.wait_for(sub)
             with torch.no_grad():
@@ -115,10 +121,12 @@ def test_a_tensor_written_while_zeromq_sends_it_is_flagged_to_subscribers() -> N
                     time.sleep(0.01)
         rest = list(sub.iter(idle_timeout=5.0))
         sub.close()
+        rec.stop()
     finally:
         handle.remove()
     assert all(c is not None for c in caps) and rest == []
     assert session.stats.torn == 1 and sub.stats.torn == 1 and list(sub.torn) == [("layers.0.resid_post", 0)]
+    assert json.loads((tmp_path / "rec" / "_manifest.json").read_text())["counts"]["torn"] == 1
 
 
 def test_borrow_false_copies_every_capture() -> None:
