@@ -113,5 +113,8 @@ def test_sigint_at_any_point_of_start_up_ends_with_one_line(delay: float) -> Non
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    if proc.returncode == -signal.SIGINT and not err:  # so loaded a machine that Python had not started yet:
+        return  # the signal's default action ended it, silently, before any of our code could run
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
     assert err.strip().splitlines()[-1] == "probebus generate: interrupted", err[-3000:]
