@@ -71,6 +71,8 @@ def test_remote_errors_are_reported_not_hung(server: RemoteEagle) -> None:
         server.draft([], torch.zeros(1, 4, dtype=torch.long), 3, 0.0, None)  # no loop connected yet
     with pytest.raises(RuntimeError, match="unknown op"):
         server._call({"op": "nonsense"})
+    with pytest.raises(RuntimeError, match="refusing"):  # a loopback server subscribes to this machine only
+        server.connect("tcp://10.1.2.3:5555")
 
 
 def test_decoder_does_not_import_probebus() -> None:
