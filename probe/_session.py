@@ -35,7 +35,7 @@ from ._arch import SiteError, resolve_arch
 from ._copy import CopyPath
 from ._curve import Clients, curve_settings
 from ._endpoint import bind_address, remove_private
-from ._exit import close_at_exit
+from ._exit import close_at_exit, closed
 from ._hooks import Hooks
 from ._identity import stop_tokens
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
@@ -315,6 +315,7 @@ class ProbeSession:
                                   "dropped": s.dropped}, timeout)
             _discovery.unregister(self._registered)
             remove_private(self._ipc_dir)
+            closed(self)
         return self.stats
 
     def join(self, timeout: float | None = None) -> bool:

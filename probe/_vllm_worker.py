@@ -35,7 +35,7 @@ from ._arch import LAYER_SITES, ArchitectureError, SiteError
 from ._copy import CopyPath
 from ._curve import curve_settings
 from ._endpoint import bind_address, remove_private
-from ._exit import close_at_exit
+from ._exit import close_at_exit, closed
 from ._hooks import tap
 from ._identity import StepIdentity
 from ._placement import parent_cpus
@@ -307,6 +307,7 @@ class VllmProbe:
                                   "dropped": out["dropped"]}, timeout)
             _discovery.unregister(self._registered)
         remove_private(self._ipc_dir)
+        closed(self)
         return out
 
 

@@ -163,11 +163,16 @@ if how == "sys.exit":
     sys.exit(3)
 if how == "uncaught exception":
     raise RuntimeError("the caller's own bug")
+if how == "session dropped":  # no reference left (as in a function that returned): its taps still hold the bus
+    import gc
+    del session
+    gc.collect()
 # "normal end": the script just ends, the session never closed
 """
 
 
-@pytest.mark.parametrize(("how", "rc"), [("normal end", 0), ("sys.exit", 3), ("uncaught exception", 1)])
+@pytest.mark.parametrize(("how", "rc"), [("normal end", 0), ("sys.exit", 3), ("uncaught exception", 1),
+                                         ("session dropped", 0)])
 def test_held_steps_and_the_end_of_stream_go_out_when_the_process_exits_without_close(how: str, rc: int) -> None:
     """A process that attaches, steps and exits without close() still sends every held step and the end of
     stream (at interpreter exit), however it exits: nothing is lost silently."""
