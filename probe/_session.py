@@ -126,7 +126,10 @@ class ProbeSession:
         self.publisher.set_info(info.to_dict())
         self._registered = _discovery.register(info)
         self._announced = True
-        close_at_exit(self)  # a process that ends without close() still sends its held steps and the end
+        # A process that ends without close() still sends its held steps and the end of stream; the registry holds
+        # what ending the stream needs, not the session (which would keep the model alive until exit).
+        self._at_exit = _StreamEnd(self._copy, self.publisher, self.run, self._registered, self._ipc_dir)
+        close_at_exit(self._at_exit)
 
     # --- public API --------------------------------------------------------------------
     @property
@@ -309,13 +312,11 @@ class ProbeSession:
         if not self._closed:
             self._closed = True
             self._hooks.remove_all()
-            self._copy.flush_device(block=True)
-            s = self.stats
-            self.publisher.close({"run": self.run, "captured": s.captured, "published": s.published,
-                                  "dropped": s.dropped}, timeout)
-            _discovery.unregister(self._registered)
-            remove_private(self._ipc_dir)
-            closed(self)
+            at_exit = getattr(self, "_at_exit", None)
+            (at_exit or _StreamEnd(self._copy, self.publisher, self.run, self._registered, self._ipc_dir)).close(
+                timeout)
+            if at_exit is not None:
+                closed(at_exit)
         return self.stats
 
     def join(self, timeout: float | None = None) -> bool:
@@ -340,6 +341,26 @@ class ProbeSession:
             info = self.info
             self.publisher.set_info(info.to_dict())
             _discovery.register(info)
+
+
+class _StreamEnd:
+    """Ending a session's stream: what `close()` does after taking the taps off, and what the interpreter's exit
+    does for a session never closed (`_exit.py`). It holds no reference to the model."""
+
+    def __init__(self, copy: CopyPath, publisher: Publisher, run: str, registered: object, ipc_dir: str | None) -> None:
+        self.copy, self.publisher, self.run, self.registered, self.ipc_dir = copy, publisher, run, registered, ipc_dir
+
+    def close(self, timeout: float) -> None:
+        pub, cp = self.publisher, self.copy
+        cp.flush_device(block=True)
+        pub.close({"run": self.run, "captured": cp.captured, "published": pub.published,
+                   "dropped": cp.dropped + pub.dropped}, timeout)  # idempotent
+        _discovery.unregister(self.registered)  # type: ignore[arg-type]
+        remove_private(self.ipc_dir)
+        self.ipc_dir = None
+
+    def __repr__(self) -> str:
+        return f"the probe session on {self.publisher.endpoint}"
 
 
 def _version() -> str:
