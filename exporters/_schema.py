@@ -42,6 +42,8 @@ import torch
 
 import probe
 
+from ._safe import MANIFEST_MAX, read_capped
+
 FORMAT = "probebus.recording"
 FORMAT_VERSION = 2  # 1: IPC streams, fixed-size lists, bf16 as raw uint16 bits (still readable)
 # Everything that is not a complete data file starts with "_" (as Spark's _SUCCESS and _metadata do), so
@@ -247,12 +249,50 @@ def _overwrite_in_place(path: Path, data: bytes, obj: dict, exc: OSError) -> Non
 
 
 def read_manifest(directory: Path) -> dict | None:
+    """The manifest of a recording folder, None without one; ValueError (one line) for a manifest that is not
+    one: not a regular file of the folder, over MANIFEST_MAX, not JSON, or a field of the wrong type."""
     p = Path(directory) / MANIFEST
-    if not p.is_file() and (Path(directory) / LEGACY_MANIFEST).is_file():
+    if not os.path.lexists(p) and (Path(directory) / LEGACY_MANIFEST).is_file():
         p = Path(directory) / LEGACY_MANIFEST
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        man = json.loads(read_capped(p, MANIFEST_MAX).decode("utf-8"))
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{p} is not a valid probebus manifest: {exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"{p} is not a valid probebus manifest: {str(exc)[:200]}") from None
+    _check_manifest(man, p)
+    return man
+
+
+_MANIFEST_STRINGS = ("state", "model", "config_hash", "probebus_version", "file_format", "error", "interrupted_by",
+                     "lost", "format", "endpoint", "started_at", "updated_at")
+_ENTRY_LISTS = ("sites", "layers", "phases", "runs")
+
+
+def _check_manifest(man: object, p: Path) -> None:
+    """ValueError unless the fields readers use have their types (a crafted manifest gave tracebacks)."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{p} is not a valid probebus manifest: {what}; remove it (the data files read without it)")
+
+    if not isinstance(man, dict):
+        raise bad(f"a JSON {type(man).__name__}, not an object")
+    for name in _MANIFEST_STRINGS:
+        if man.get(name) is not None and not isinstance(man[name], str):
+            raise bad(f"its {name!r} is a {type(man[name]).__name__}")
+    for name in ("counts", "metadata", "last_written"):
+        if man.get(name) is not None and not isinstance(man[name], dict):
+            raise bad(f"its {name!r} is a {type(man[name]).__name__}")
+    for name in ("files", "in_progress"):
+        entries = man.get(name)
+        if entries is None:
+            continue
+        if not isinstance(entries, list):
+            raise bad(f"its {name!r} is a {type(entries).__name__}")
+        for e in entries:
+            if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+                raise bad(f"an entry of {name!r} is not an object with a name")
+            for k in _ENTRY_LISTS:
+                want = int if k == "layers" else str
+                if e.get(k) is not None and (not isinstance(e[k], list) or
+                                             not all(isinstance(v, want) and not isinstance(v, bool) for v in e[k])):
+                    raise bad(f"the entry of {e['name'][:80]!r} has a {k!r} that is not a list of {want.__name__}")

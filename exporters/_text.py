@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ._safe import SIDECAR_MAX, read_capped
 from ._schema import PROMPTS, REQUESTS
 
 
@@ -82,7 +83,7 @@ def _append(path: Path, rows: list[dict]) -> None:
 def _read(path: Path) -> list[tuple[tuple[str, int], dict]]:
     """((run, seq_id), the rest of the line's object) per line of a sidecar; none if there is no file."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_capped(path, SIDECAR_MAX).decode("utf-8", errors="replace")
     except (FileNotFoundError, NotADirectoryError):
         return []
     out = []
@@ -90,6 +91,6 @@ def _read(path: Path) -> list[tuple[tuple[str, int], dict]]:
         try:
             d = json.loads(line)
             out.append(((str(d.pop("run", "")), int(d["seq_id"])), d))
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             continue  # a line cut by a crash: the others still count
     return out

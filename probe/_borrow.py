@@ -11,10 +11,12 @@ staging ring: the tensor is held until ZeroMQ has sent it, at most `capacity` by
 and under `complete` the model waits for room as it would for the ring. That is what
 transformers' `output_hidden_states` and TransformerLens's cache do (they keep references);
 here the tensor's version counter also checks that the model did not write into it before
-the send. One that moved may have gone out half old, half new: it is counted (`torn`), the
-session warns once, and copies every later capture at its hook. No supported family does
-(tests/test_probe_borrow.py); vLLM's workers never borrow (their kernels add the residual in
-place).
+the send. One written before its send (within the step: the usual case) is never sent: dropped and
+counted (`torn`). One written while ZeroMQ was sending it may have gone out half old, half new: it
+is counted, and a TORN_TOPIC control message names it (site, seq) to subscribers (`Subscriber.torn`,
+`SubscriberStats.torn`). Either way the session warns once and copies every later capture at its
+hook. No supported family does (tests/test_probe_borrow.py); vLLM's workers never borrow (their
+kernels add the residual in place).
 
 Measured on the 2-core VM (`benchmarks/overhead.py --skip-decode --repeats 5`, against raw
 pyzmq sending one buffer zero-copy): 384 KiB 0.64-0.81 -> 0.94-0.99, 3 MiB 0.57-0.64 -> 0.86.
@@ -34,7 +36,7 @@ import torch
 from ._host import host_rows
 from ._identity import StepIdentity
 from ._sites import SiteKey
-from ._wire import encode_envelope
+from ._wire import TORN_TOPIC, encode_control, encode_envelope
 
 BORROW_MIN = 1 << 18  # bytes: below this a copy into the ring (one frame, a cache-warm slot) costs less
 
@@ -48,7 +50,8 @@ class BorrowedCaptures:
         self.borrow = borrow  # may large captures be sent from the model's own tensor
         self.borrowed = 0  # captures that were
         self.torn = 0  # ... that the model wrote into before ZeroMQ had sent them
-        self._borrowed: deque[tuple[object, torch.Tensor, int, int]] = deque()  # (held, tensor, version, nbytes)
+        # (held, tensor, version, nbytes, topic, seq) of each capture handed to ZeroMQ from the model's tensor
+        self._borrowed: deque[tuple[object, torch.Tensor, int, int, bytes, int]] = deque()
         self._borrowed_bytes = 0  # of tensors queued or in ZeroMQ's hands
 
     def _try_borrow(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity, index: np.ndarray | None, dtype: int,
@@ -73,8 +76,28 @@ class BorrowedCaptures:
 
     def _send_borrowed(self, topic: bytes, frame: tuple, nbytes: int, seq: int) -> None:
         env, payload, t, version = frame
+        if t._version != version:  # written since its hook, within the step: never sent (it would be torn)
+            self._borrowed_bytes -= nbytes
+            self.dropped += 1  # type: ignore[attr-defined]
+            self._torn_found()
+            return
         held = self.pub.send(topic, env, payload, nbytes=nbytes, seq=seq)  # type: ignore[attr-defined]
-        self._borrowed.append((None if held is False else held, t, version, nbytes))
+        self._borrowed.append((None if held is False else held, t, version, nbytes, topic, seq))
+
+    def _torn_found(self, topic: bytes | None = None, seq: int = 0) -> None:
+        """Count a capture the model wrote into; with `topic`, one already sent: subscribers are told in-band."""
+        self.torn += 1
+        self.borrow = False
+        if topic is not None:
+            try:
+                self.pub.send_control(encode_control(TORN_TOPIC, {"run": self.run.decode(),  # type: ignore[attr-defined]
+                                                                  "site": topic.decode(), "seq": seq}))
+            except Exception:  # never crash the model: it is counted in stats.torn all the same
+                pass
+        self._warn_once("torn", "probebus: the model wrote into a captured tensor in place after its hook (a "  # type: ignore[attr-defined]
+                        "capture sent from the tensor itself: one not yet sent is dropped, one already sent may "
+                        "mix old and new values and is flagged to subscribers, `Subscriber.torn`; counted in "
+                        "stats.torn); this session copies every capture from now on")
 
     def _unsend_borrowed(self, nbytes: int) -> None:
         """A queued borrowed capture that was never handed to ZeroMQ (a send before it raised)."""
@@ -101,14 +124,10 @@ class BorrowedCaptures:
         """Let go of the tensors ZeroMQ is done with, in order, checking that none was written meanwhile."""
         borrowed = self._borrowed
         while borrowed:
-            held, t, version, nbytes = borrowed[0]
+            held, t, version, nbytes, topic, seq = borrowed[0]
             if held is not None and held() is not None:  # type: ignore[operator]
                 break
             borrowed.popleft()
             self._borrowed_bytes -= nbytes
-            if t._version != version:
-                self.torn += 1
-                self.borrow = False
-                self._warn_once("torn", "probebus: the model wrote into a captured tensor in place before ZeroMQ "  # type: ignore[attr-defined]
-                                "had sent it (sent from the tensor itself, that capture may mix old and new "
-                                "values; counted in stats.torn); this session copies every capture from now on")
+            if t._version != version:  # written while ZeroMQ sent it: flagged in-band (`Subscriber.torn`)
+                self._torn_found(topic if held is not None else None, seq)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import stat
 import tempfile
@@ -51,11 +52,40 @@ class SessionInfo:
 
     @classmethod
     def from_dict(cls, d: dict) -> SessionInfo:
+        """From a session-info message or a discovery file: TypeError / ValueError when a field has the wrong
+        type (it comes from another process, maybe a hostile one, and consumers use the fields as typed)."""
+        if not isinstance(d, dict):
+            raise TypeError("session info is not an object")
         known = {f: d[f] for f in cls.__dataclass_fields__ if f in d}
+        for name, value in known.items():
+            want = _FIELD_TYPES.get(name)
+            if want is not None and (not isinstance(value, want) or (isinstance(value, bool) and want is not str)):
+                raise TypeError(f"session info field {name!r} is a {type(value).__name__}")
+        if not math.isfinite(known.get("started", 0.0)):
+            raise ValueError("session info field 'started' is not finite")
+        sites = known.get("sites")
+        if sites is not None and (not isinstance(sites, list) or not all(isinstance(s, str) for s in sites)):
+            raise TypeError("session info field 'sites' is not a list of names")
         requests = known.get("requests")
         if requests is not None:
-            known["requests"] = {int(k): v for k, v in requests.items()}
+            if not isinstance(requests, dict):
+                raise TypeError("session info field 'requests' is not an object")
+            known["requests"] = {seq_id_key(k): v for k, v in requests.items()}
         return cls(**known)
+
+
+# The scalar fields' types (JSON gives int for a whole number, so a float field takes int too).
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "run": str, "endpoint": str, "pid": int, "model": str, "config_hash": str, "dtype": str, "policy": str,
+    "probebus_version": str, "wire_version": int, "started": (int, float), "host": str, "backend": str,
+    "recomputed": int}
+
+
+def seq_id_key(key: object) -> int:
+    """A request map's key (a JSON object's key: a string of digits) as a seq_id; ValueError otherwise."""
+    if not isinstance(key, (str, int)) or isinstance(key, bool) or not str(key).isdigit() or len(str(key)) > 18:
+        raise ValueError(f"{str(key)[:20]!r} is not a seq_id")
+    return int(key)
 
 
 def config_hash(config: object) -> str:
@@ -132,7 +162,7 @@ def live_sessions() -> list[SessionInfo]:
     for path in folder.glob("*.json"):
         try:
             info = SessionInfo.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError, RecursionError):
             continue
         if not _alive(info.pid):
             unregister(path)

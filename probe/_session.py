@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -34,6 +35,7 @@ from ._arch import SiteError, resolve_arch
 from ._copy import CopyPath
 from ._curve import Clients, curve_settings
 from ._endpoint import bind_address, remove_private
+from ._exit import close_at_exit, closed
 from ._hooks import Hooks
 from ._identity import stop_tokens
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
@@ -55,9 +57,10 @@ class ProbeStats:
                 held for a later send (no live subscriber; at most a linger old while the model
                 steps, ~50 ms more once it stops: see `max_delay`) and device copies in flight (CUDA); 0 after close
     degraded    `complete` hit `stall_timeout` and stopped blocking on a full subscriber
-    torn        large captures sent from the model's own tensor (`borrow`) that the model wrote into in
-                place before ZeroMQ had sent them: they may mix old and new values (the session copies
-                every capture after the first)
+    torn        large captures borrowed from the model's own tensor (`borrow`) that the model wrote into in
+                place after their hook: one written before its send is dropped (never sent), one written
+                while ZeroMQ sent it may mix old and new values and is flagged to subscribers in-band
+                (`Subscriber.torn`); the session copies every capture after the first
     """
 
     captured: int
@@ -110,6 +113,8 @@ class ProbeSession:
         self._hooks = Hooks(model, self.arch, self._copy, self.publisher, stop)
         self._closed = False
         self._paused: list[str] | None = None  # the sites a pause took off, until resume()
+        self._muted = False  # that pause left the taps in place, capturing nothing (paused from another thread)
+        self._pause_lock = threading.Lock()
         self._announced = False
         self._registered = None
         try:
@@ -121,6 +126,10 @@ class ProbeSession:
         self.publisher.set_info(info.to_dict())
         self._registered = _discovery.register(info)
         self._announced = True
+        # A process that ends without close() still sends its held steps and the end of stream; the registry holds
+        # what ending the stream needs, not the session (which would keep the model alive until exit).
+        self._at_exit = _StreamEnd(self._copy, self.publisher, self.run, self._registered, self._ipc_dir)
+        close_at_exit(self._at_exit)
 
     # --- public API --------------------------------------------------------------------
     @property
@@ -151,13 +160,29 @@ class ProbeSession:
 
         The site list that subscribers and `probe.live_sessions()` see stays as it is: a pause is not a
         change of what the session captures, so nothing is announced (~40 us, where add/remove announce
-        the new list and rewrite the discovery file: ~0.7 ms)."""
+        the new list and rewrite the discovery file: ~0.7 ms).
+
+        From any thread. From a thread other than the model's, while the model may be inside a forward, the
+        taps stay and capture nothing until `resume()` (taking them off mid-forward took the step's end with
+        them: captures stopped for good, or came with fresh seq_ids and positions); the model's forwards are
+        still counted as steps then, so identities stay right across the pause."""
         if self._closed:
             raise RuntimeError("this probe session is closed")
-        if self._paused is None:
-            self._paused = sorted(self._hooks.active)
-            self._hooks.change("remove", self._paused)
-            self.publisher.flush_held()  # nothing waits for a step that may not come soon
+        with self._pause_lock:
+            if self._paused is None:
+                names = sorted(self._hooks.active)
+                self._muted = not self._on_model_thread()
+                if self._muted:
+                    self._hooks.active.difference_update(names)  # each site's tap checks this set: off at once
+                else:
+                    self._hooks.change("remove", names)
+                self._paused = names
+        self.publisher.flush_held()  # nothing waits for a step that may not come soon
+
+    def _on_model_thread(self) -> bool:
+        """No forward of the model can be running on another thread: we are its thread, or it never ran one."""
+        model_thread = self._hooks._model_thread
+        return model_thread is None or model_thread == threading.get_ident()
 
     def flush(self) -> None:
         """Send the decode steps held for a later burst now, instead of once they are a linger old.
@@ -185,10 +210,24 @@ class ProbeSession:
             self.flush()
 
     def resume(self) -> None:
-        """Put back the taps `pause()` took off."""
-        if self._paused is not None and not self._closed:
+        """Put back the taps `pause()` took off; from any thread (see `pause`)."""
+        with self._pause_lock:
+            if self._paused is None or self._closed:
+                return
             names, self._paused = self._paused, None
-            self._hooks.change("add", names)
+            hooks = self._hooks
+            if self._muted:  # the taps never left: capture again from the next site hook on
+                hooks.active.update(names)
+            elif self._on_model_thread():
+                hooks.change("add", names)
+            else:
+                # The taps are off, so the step start that applies a pending change would never run: put them back
+                # now, silent (the model may be inside an unprobed forward, whose layers must not capture without
+                # a step identity), and let the next forward's step start switch them on, at a step boundary.
+                with hooks._lock:
+                    hooks._apply("add", names)
+                    hooks.active.difference_update(names)
+                    hooks._pending.append(("add", names))
 
     @property
     def info(self) -> _discovery.SessionInfo:
@@ -273,12 +312,11 @@ class ProbeSession:
         if not self._closed:
             self._closed = True
             self._hooks.remove_all()
-            self._copy.flush_device(block=True)
-            s = self.stats
-            self.publisher.close({"run": self.run, "captured": s.captured, "published": s.published,
-                                  "dropped": s.dropped}, timeout)
-            _discovery.unregister(self._registered)
-            remove_private(self._ipc_dir)
+            at_exit = getattr(self, "_at_exit", None)
+            (at_exit or _StreamEnd(self._copy, self.publisher, self.run, self._registered, self._ipc_dir)).close(
+                timeout)
+            if at_exit is not None:
+                closed(at_exit)
         return self.stats
 
     def join(self, timeout: float | None = None) -> bool:
@@ -303,6 +341,26 @@ class ProbeSession:
             info = self.info
             self.publisher.set_info(info.to_dict())
             _discovery.register(info)
+
+
+class _StreamEnd:
+    """Ending a session's stream: what `close()` does after taking the taps off, and what the interpreter's exit
+    does for a session never closed (`_exit.py`). It holds no reference to the model."""
+
+    def __init__(self, copy: CopyPath, publisher: Publisher, run: str, registered: object, ipc_dir: str | None) -> None:
+        self.copy, self.publisher, self.run, self.registered, self.ipc_dir = copy, publisher, run, registered, ipc_dir
+
+    def close(self, timeout: float) -> None:
+        pub, cp = self.publisher, self.copy
+        cp.flush_device(block=True)
+        pub.close({"run": self.run, "captured": cp.captured, "published": pub.published,
+                   "dropped": cp.dropped + pub.dropped}, timeout)  # idempotent
+        _discovery.unregister(self.registered)  # type: ignore[arg-type]
+        remove_private(self.ipc_dir)
+        self.ipc_dir = None
+
+    def __repr__(self) -> str:
+        return f"the probe session on {self.publisher.endpoint}"
 
 
 def _version() -> str:
@@ -343,7 +401,8 @@ def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None
                     the model's tensor itself, held until ZeroMQ has sent it (at most capacity_bytes of
                     them), instead of copied at its hook, as `output_hidden_states` and TransformerLens's
                     cache keep references. A model that writes into such a tensor in place before the
-                    send is caught by the tensor's version counter: stats.torn, a warning, and every
+                    send is caught by the tensor's version counter: the capture is dropped (or, written
+                    while being sent, flagged in-band: `Subscriber.torn`), stats.torn, a warning, and every
                     later capture is copied. False copies every capture at its hook.
     """
     return ProbeSession(model, sites, endpoint=endpoint, policy=policy, capacity_bytes=capacity_bytes, run=run,

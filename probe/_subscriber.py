@@ -46,6 +46,7 @@ from ._wire import (
     LIVE_PRESENCE,
     PRESENCE,
     REQUESTS_TOPIC,
+    TORN_TOPIC,
     WireError,
     decode_control,
     decode_fields,
@@ -121,7 +122,8 @@ class Capture:
 class SubscriberStats:
     """received: captures delivered; missed: published by the session but lost before reaching
     us (sequence gaps, and the end-of-stream counts); malformed: invalid messages, by category
-    in `errors` (fixed keys, see probe._wire.ERROR_KINDS); filtered: valid but not asked for."""
+    in `errors` (fixed keys, see probe._wire.ERROR_KINDS); filtered: valid but not asked for;
+    torn: captures the session flagged after sending them (may mix old and new values)."""
 
     received: int = 0
     bytes: int = 0
@@ -129,6 +131,17 @@ class SubscriberStats:
     filtered: int = 0
     missed: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    torn: int = 0  # captures received that the session flagged as torn afterwards (`Subscriber.torn`)
+
+
+def _counts(counts: object) -> dict[str, int]:
+    """Per-site counts from a control message: an object of whole numbers 0 <= n < 2**63, else WireError."""
+    if not isinstance(counts, dict):
+        raise WireError("control", "counts are not an object")
+    for n in counts.values():
+        if type(n) is not int or not 0 <= n < 1 << 63:
+            raise WireError("control", "a count is not a whole number")
+    return {str(k): n for k, n in counts.items()}
 
 
 def parse_capture(frames: list) -> Capture:
@@ -171,6 +184,9 @@ class Subscriber:
         self._warned_version = False
         self._held: deque[Capture] = deque()  # captures that arrived while wait_info looked for the info
         self._requests = RequestMap()  # a vLLM session's seq_id -> request (`info.requests`, `take_requests`)
+        # (site, seq) of captures the session flagged as torn after sending them (`_borrow.py`), the last 10,000:
+        # such a capture may mix old and new values (a model that wrote into its tensor while it was sent).
+        self.torn: deque[tuple[str, int]] = deque(maxlen=10_000)
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -183,6 +199,7 @@ class Subscriber:
             self._sock.setsockopt(zmq.SUBSCRIBE, INFO_TOPIC)
             self._sock.setsockopt(zmq.SUBSCRIBE, END_TOPIC)
             self._sock.setsockopt(zmq.SUBSCRIBE, REQUESTS_TOPIC)
+            self._sock.setsockopt(zmq.SUBSCRIBE, TORN_TOPIC)
         # Subscribed last: once the publisher sees it, all topic filters above are in place.
         # A live subscriber's presence topic tells the publisher to send every step at its end instead of
         # holding steps for up to its max_delay (see `Publisher.send_bundles`).
@@ -277,7 +294,12 @@ class Subscriber:
             self.stats.filtered += 1
             return None
         site = cap.site
-        expect = self._next_seq.get(site, 0)
+        expect = self._next_seq.get(site)
+        if expect is None:
+            # A late joiner can receive captures before the session's info (the publisher's I/O thread applies a
+            # subscription before the model's thread reads it and sends the info, up to 100 ms of steps later):
+            # until an info says what was published before we joined, our first capture of a site is the start.
+            expect = 0 if self.info is not None else cap.seq
         if cap.seq > expect:
             self.stats.missed += cap.seq - expect
         self._next_seq[site] = cap.seq + 1
@@ -294,36 +316,47 @@ class Subscriber:
         return None
 
     def _control(self, frame: bytes) -> None:
+        """Apply a control message, or count it malformed and change nothing: every field is checked before any
+        state changes (a bad end of stream must not end the stream, a bad info must not replace a good one)."""
         try:
             if frame.startswith(INFO_TOPIC):
                 body = decode_control(frame, INFO_TOPIC)
+                counts = _counts(body.get("counts") or {})
                 info = SessionInfo.from_dict(body)
                 self.info = dataclasses.replace(info, requests=self._requests.from_info(info.requests))
-                for site, n in (body.get("counts") or {}).items():  # published before we joined: not missed
-                    self._next_seq.setdefault(str(site), int(n))
+                for site, n in counts.items():  # published before we joined: not missed
+                    self._next_seq.setdefault(site, n)
             elif frame.startswith(END_TOPIC):
                 self._end(decode_control(frame, END_TOPIC))
             elif frame.startswith(REQUESTS_TOPIC):
                 body = decode_control(frame, REQUESTS_TOPIC)
+                recomputed = body.get("recomputed")
+                if recomputed is not None:
+                    recomputed = _counts({"recomputed": recomputed})["recomputed"]
                 if self._requests.from_delta(body.get("requests") or {}) and not self.ended:
                     # A lost message: re-announcing our presence makes the publisher send its whole map again.
                     self._sock.setsockopt(zmq.UNSUBSCRIBE, self.presence)
                     self._sock.setsockopt(zmq.SUBSCRIBE, self.presence)
-                if self.info is not None and "recomputed" in body:
-                    self.info = dataclasses.replace(self.info, recomputed=int(body["recomputed"]))
+                if self.info is not None and recomputed is not None:
+                    self.info = dataclasses.replace(self.info, recomputed=recomputed)
+            elif frame.startswith(TORN_TOPIC):
+                body = decode_control(frame, TORN_TOPIC)
+                site, seq = body.get("site"), body.get("seq")
+                if not isinstance(site, str) or type(seq) is not int or seq < 0:
+                    raise WireError("control", "a torn flag without site and seq")
+                if self.matcher.everything or self.matcher.matches(site):
+                    self.torn.append((site, seq))
+                    self.stats.torn += 1
             # other control topics are for newer versions: ignored, not malformed
-        except (WireError, TypeError, ValueError):
+        except (WireError, TypeError, ValueError, OverflowError, RecursionError, AttributeError):
             self._malformed("control", "bad control message")
 
     def _end(self, body: dict) -> None:
-        counts = body.get("counts")
-        if not isinstance(counts, dict):
-            raise WireError("control", "end of stream without counts")
+        ends = _counts(body.get("counts"))
         source = str(body.get("endpoint", ""))
         if source in self._ended_from:  # the publisher repeats it until acknowledged
             return
         self._ended_from.add(source)
-        ends = {str(k): int(v) for k, v in counts.items()}
         for site, n in ends.items():  # what never arrived at the tail of each site's stream
             if self.matcher.everything or self.matcher.matches(site):
                 self.stats.missed += max(0, n - self._next_seq.get(site, 0))

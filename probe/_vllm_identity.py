@@ -3,7 +3,9 @@
     flat = FlatBatchIdentity()
     idents = flat.step(runner, args, kwargs)  # the model's forward pre-hook: one StepIdentity per phase present
     flat.new_requests()                    # request-map entries of requests that started since the last call
-    flat.requests()                        # the whole map, {"<seq_id>": {"seq_id", "request_id", "first_position"}}
+    flat.requests()                        # the whole map, {"<seq_id>": {"seq_id", "request_id", "first_position",
+                                           #   "cached_positions", "joined"}}
+    flat.watch(runner.requests)            # at attach and resume: the requests that ran before, unobserved
 
 Before each forward the model runner has already laid out, on the host, which request each
 token belongs to (`query_start_loc`), how many of its tokens were computed before
@@ -11,7 +13,11 @@ token belongs to (`query_start_loc`), how many of its tokens were computed befor
 
 - a token's position is its request's computed count plus its index in the chunk; a
   prefix-cache hit starts the first chunk past the cached prefix, so those positions never
-  appear, and each request's first published position is in the request map;
+  appear, and each request's first published position is in the request map. Two causes
+  of a first position past 0 are told apart there: `cached_positions`, the prefix-cache hit
+  of a request the session saw start, and `joined`, a request already running when the
+  session started watching (attach, or resume after a pause), whose earlier positions were
+  computed unobserved;
 - phase: prefill while the position is inside the prompt, decode after it;
 - a request that is preempted and recomputed would compute positions it already published:
   they are skipped (never duplicated) and counted (`recomputed`);
@@ -48,6 +54,18 @@ class FlatBatchIdentity:
         self._next_pos: dict[str, int] = {}  # vLLM request id -> the first position not yet published
         self._next_seq_id = 0
         self._new: dict[str, dict] = {}
+        # The requests the runner held when the session started watching (attach, resume): one of them that
+        # computed positions before its first observed step ran unobserved (`joined`); any other request that
+        # did hit the prefix cache (`cached_positions`).
+        self._before: set[str] = set()
+
+    def watch(self, running: object) -> None:
+        """The session starts (again) to see every step: `running`, the ids of the requests the runner holds now
+        (`runner.requests`), may have computed positions it never saw."""
+        try:
+            self._before = set(running)  # type: ignore[call-overload]
+        except TypeError:  # a runner without the map: every start past 0 counts as a cache hit, as before
+            self._before = set()
 
     def step(self, runner: object, args: tuple, kwargs: dict) -> list[StepIdentity]:
         """This step's identities (one per phase present), from the runner's host arrays; `args`, `kwargs`: the
@@ -109,10 +127,15 @@ class FlatBatchIdentity:
                             runner.device, {1: (None, array("q", seq_ids + pos + tok).tobytes(), n)})  # type: ignore[attr-defined]
 
     def _start(self, rid: str, first: int) -> int:
-        """A request's first computed step: its seq_id and request-map entry."""
+        """A request's first observed step: its seq_id and request-map entry. `first` positions were computed
+        before it: in steps the session did not see (a request running when it started watching), or none, and
+        the prefix cache served them."""
         seq_id = self._next_seq_id
         self._next_seq_id += 1
-        entry = self._entries[rid] = {"seq_id": seq_id, "first_position": first, "request_id": _external_id(rid)}
+        joined = first > 0 and rid in self._before
+        self._before.discard(rid)
+        entry = self._entries[rid] = {"seq_id": seq_id, "first_position": first, "request_id": _external_id(rid),
+                                      "cached_positions": 0 if joined else first, "joined": joined}
         self._sid[rid] = seq_id
         self._new[str(seq_id)] = entry
         if len(self._entries) > MAX_REQUESTS:

@@ -38,6 +38,7 @@ from ._arch import LAYER_SITES, ArchitectureError, SiteError
 from ._copy import CopyPath
 from ._curve import curve_settings
 from ._endpoint import bind_address, remove_private
+from ._exit import close_at_exit, closed
 from ._hooks import tap
 from ._identity import StepIdentity
 from ._placement import parent_cpus
@@ -168,6 +169,7 @@ class VllmProbe:
         self._handles: list = []
         self._idents: list[StepIdentity] = []
         self._flat = FlatBatchIdentity()  # request, position, token and phase of each row, step by step
+        self._flat.watch(getattr(runner, "requests", ()))  # requests running at attach: `joined` in the map
         self._defer = Deferral(enabled=runner.device.type == "cpu")  # decode steps captured at their end
         self._deferred: list | None = None  # this step's captures, while deferring
         self._check: Check | None = None  # this step's, while checking that deferring is safe
@@ -189,6 +191,7 @@ class VllmProbe:
         self._tap()
         self.publisher.set_info(self.info)  # built when an info goes out (a new subscriber), never per step
         self._registered = _discovery.register(_discovery.SessionInfo.from_dict(self.info()))
+        close_at_exit(self)  # a worker that exits without detach still sends its held steps and the end
 
     def _tap(self) -> None:
         if self._dormant is not None:  # compiled: the taps are in the graph already, this switches them on
@@ -217,6 +220,7 @@ class VllmProbe:
 
     def resume(self) -> None:
         if self.publisher is not None and not self._handles and not self._closed:
+            self._flat.watch(getattr(self.runner, "requests", ()))  # what ran while paused: joined, not cached
             self._tap()
 
     # --- the model's thread ---------------------------------------------------------------------
@@ -297,6 +301,8 @@ class VllmProbe:
         return len(pub.subscribers)
 
     def close(self, timeout: float) -> dict:
+        if self._closed:  # idempotent: detach, then the exit hook (`_exit.py`)
+            return self.stats()
         self._closed = True
         self.pause(flush=False)
         if self.publisher is not None:
@@ -307,6 +313,7 @@ class VllmProbe:
                                   "dropped": out["dropped"]}, timeout)
             _discovery.unregister(self._registered)
         remove_private(self._ipc_dir)
+        closed(self)
         return out
 
 

@@ -48,7 +48,8 @@ site does): INFO_TOPIC carries the session's description (sent again whenever a
 subscriber joins, so late joiners get it), END_TOPIC the end of stream with per-site
 counts, REQUESTS_TOPIC (a vLLM session) the request-map entries of requests that started
 since the last one: `{"requests": {"<seq_id>": {"seq_id", "request_id", "first_position"}},
-"recomputed": n}`. seq_ids are consecutive, so a subscriber that sees one skipped lost a
+"recomputed": n}`, TORN_TOPIC a capture already sent that may mix old and new values
+(`{"site", "seq"}`). seq_ids are consecutive, so a subscriber that sees one skipped lost a
 message and re-announces its presence, which brings the whole map again in an info.
 Subscribers never subscribe to another subscriber's PRESENCE topic, so these are the only
 control messages anyone receives; a control topic a subscriber does not know is ignored.
@@ -102,6 +103,9 @@ LIVE_PRESENCE = PRESENCE + b"live/"  # + uuid: a subscriber that needs every ste
 INFO_TOPIC = CONTROL + b"info "
 END_TOPIC = CONTROL + b"end "
 REQUESTS_TOPIC = CONTROL + b"requests "  # new entries of a vLLM session's request map (the info has all of it)
+# {"run", "site", "seq"}: a capture sent from the model's own tensor (`_borrow.py`) that the model wrote into before
+# ZeroMQ had sent it all: it may mix old and new values (`Subscriber.torn`). Sent once that is known.
+TORN_TOPIC = CONTROL + b"torn "
 BUNDLE_TOPIC = CONTROL + b"bundle "
 BUNDLE_MAX = 1 << 16  # bytes per bundle (one capture may exceed it alone): ZeroMQ's queue stays ~SNDHWM x 64 KiB
 LENGTH = struct.Struct("<I")
@@ -424,6 +428,8 @@ def decode_control(frame: bytes | memoryview, topic: bytes) -> dict:
         body = json.loads(bytes(frame[len(topic):]))
     except (ValueError, UnicodeDecodeError):
         raise WireError("control", "control message is not JSON") from None
+    except RecursionError:  # deep nesting: no control message of ours nests more than a few levels
+        raise WireError("control", "control message nests too deeply") from None
     if not isinstance(body, dict):
         raise WireError("control", "control message is not a JSON object")
     return body

@@ -25,6 +25,7 @@ The worker side is `probe/_vllm_worker.py`.
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
@@ -41,6 +42,9 @@ from ._vllm_compiled import EXTENSION, watch
 # compile gets probebus's taps before the compile (`_vllm_compiled.py`). Elsewhere this only registers a hook
 # that looks at each submodule assignment and returns.
 watch()
+# Set to 1 in the engine's environment (a server's, at its start) to let `attach(allow_remote=True)` bind a
+# non-loopback endpoint in its workers; without it a worker refuses, whoever asks (the HTTP route has no auth).
+ALLOW_REMOTE_ENV = "PROBEBUS_ALLOW_REMOTE"
 ENGINE_KWARGS: dict[str, Any] = {"worker_extension_cls": EXTENSION}
 
 
@@ -59,6 +63,11 @@ class WorkerExtension:
         from ._sites import expand_sites
         from ._vllm_worker import VllmArch, VllmProbe
 
+        if allow_remote and os.environ.get(ALLOW_REMOTE_ENV) != "1":
+            # The caller may be any client of a server's HTTP route: exposing the activations (other clients'
+            # prompts) beyond this machine is the operator's decision, made when the engine starts.
+            raise PermissionError(f"this vLLM engine does not let a client bind a non-loopback endpoint "
+                                  f"(allow_remote): its operator allows that by starting it with {ALLOW_REMOTE_ENV}=1")
         if getattr(self, "_probebus", None) is not None:
             raise RuntimeError("probebus is already attached to this engine; close that session first")
         arch = VllmArch(self.model_runner.get_model())  # type: ignore[attr-defined]
@@ -302,7 +311,9 @@ def attach(llm: Any, sites: str | Iterable[str], *, endpoint: str | None = None,
     to (a CPU worker binds itself to VLLM_CPU_OMP_THREADS_BIND); `[]` leaves them on the worker's.
     `max_delay`: as in `probe.attach` (steps held for a later send while no subscriber is live).
     `allow_remote`: as in `probe.attach`: a TCP endpoint other than loopback is refused without it (each
-    worker checks too, for a server attached through its HTTP route).
+    worker checks too, for a server attached through its HTTP route), and the workers take it only when the
+    engine was started with PROBEBUS_ALLOW_REMOTE=1 in its environment (`ALLOW_REMOTE_ENV`): any client of a
+    server's HTTP route could otherwise expose every request's activations.
     `curve_secret_key`, `curve_clients`: as in `probe.attach`. The secret key travels to the workers
     through the engine's RPC (its own IPC offline; the dev-mode HTTP route for a server)."""
     from ._vllm_worker import new_run
@@ -336,5 +347,5 @@ def _model_name(llm: Any) -> str:
         return getattr(llm, "url", "")
 
 
-__all__ = ["ENGINE_KWARGS", "EXTENSION", "HttpEngine", "Subscriber", "VllmSession", "WorkerExtension", "attach",
-           "list_sites"]
+__all__ = ["ALLOW_REMOTE_ENV", "ENGINE_KWARGS", "EXTENSION", "HttpEngine", "Subscriber", "VllmSession",
+           "WorkerExtension", "attach", "list_sites"]

@@ -123,8 +123,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Load a drafter and serve it over REQ/REP; it reads the target's features from the "
                        "loop's probe bus. In the loop: SpeculativeDecoder(model, decoder.RemoteEagle(ADDR)).")
     _common(s)
-    s.add_argument("--bind", default="tcp://127.0.0.1:5600", help="address to serve on (default: %(default)s)")
+    s.add_argument("--bind", default="tcp://127.0.0.1:5600", help="address to serve on: loopback TCP or ipc:// "
+                   "unless --allow-remote (default: %(default)s)")
     s.add_argument("--drafter", default="default", help="default | PATH (default: %(default)s)")
+    s.add_argument("--allow-remote", action="store_true", help="let --bind be a non-loopback address; without "
+                   "--curve-secret anyone who reaches it may draft (exit and subscribe stay loopback-only)")
+    s.add_argument("--curve-secret", metavar="FILE", help="serve with CURVE: the server's secret certificate "
+                   "(zmq.auth.create_certificates' NAME.key_secret); clients pass its public key to RemoteEagle")
+    s.add_argument("--curve-clients", metavar="DIR", help="with --curve-secret: admit only the clients whose public "
+                   "certificates are in DIR")
+    s.add_argument("--max-message-mb", type=float, default=64.0, help="drop a client that sends a bigger message "
+                   "(default: %(default)s)")
+    s.add_argument("--max-prepare-mb", type=float, default=1024.0, help="refuse a prepare that would allocate more "
+                   "than this for features and draft cache (default: %(default)s)")
     s.set_defaults(func=_cmd_serve)
 
 
@@ -456,14 +467,37 @@ def _train_other(args: argparse.Namespace, model: torch.nn.Module, rec) -> int: 
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from decoder import DrafterError, load_drafter, serve_drafter
+    import zmq
 
+    from decoder import DrafterError, load_drafter, serve_drafter
+    from probe._curve import load_certificate
+    from probe._endpoint import check_endpoint
+
+    try:  # before the model loads: a refused address should not cost a minute
+        check_endpoint(args.bind, args.allow_remote)
+        secret = load_certificate(args.curve_secret, secret=True)[1] if args.curve_secret else None
+    except ValueError as exc:
+        if "refusing to bind" not in str(exc):
+            return _fail("serve-drafter", exc)
+        return _fail("serve-drafter", f"refusing to serve on {args.bind!r}: anyone who reaches it could use or stop "
+                     "this drafter. Bind tcp://127.0.0.1:PORT or ipc://PATH, or pass --allow-remote (with "
+                     "--curve-secret) to expose it on purpose")
+    if args.curve_clients and not secret:
+        return _fail("serve-drafter", "--curve-clients needs --curve-secret")
+    if args.max_message_mb <= 0 or args.max_prepare_mb <= 0:
+        return _fail("serve-drafter", "--max-message-mb and --max-prepare-mb must be positive")
     try:
         model, _ = load_target(args, need_tokenizer=False)
         drafter = load_drafter(args.drafter, model)
     except (UsageError, DrafterError) as exc:
         return _fail("serve-drafter", exc)
     torch.set_num_threads(1)  # the loop's process needs the cores more
-    print(f"serving drafter {drafter.source} on {args.bind}", file=sys.stderr, flush=True)
-    serve_drafter(args.bind, drafter)
+    try:
+        serve_drafter(args.bind, drafter, allow_remote=args.allow_remote, curve_secret_key=secret,
+                      curve_clients=args.curve_clients, max_message_bytes=int(args.max_message_mb * 2**20),
+                      max_prepare_bytes=int(args.max_prepare_mb * 2**20),
+                      ready=lambda: print(f"serving drafter {drafter.source} on {args.bind}", file=sys.stderr,
+                                          flush=True))
+    except (ValueError, RuntimeError, zmq.ZMQError) as exc:  # the address is taken, a bad certificate folder
+        return _fail("serve-drafter", exc)
     return 0

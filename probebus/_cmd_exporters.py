@@ -79,6 +79,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--plot", metavar="OUTDIR", help="also write PNGs of activation norms per site and position and "
                    "per layer into OUTDIR (needs matplotlib: pip install 'probebus[plot]')")
     p.add_argument("--sites", default=None, help="with --plot: only these site patterns")
+    p.add_argument("--repair", action="store_true", help="first finish the in-progress files a killed recorder "
+                   "left (their whole batches become complete files), so that DuckDB, polars and pyarrow.dataset "
+                   "read their rows too")
     p.set_defaults(func=cmd_inspect)
 
     p = subparsers.add_parser("top", help="live per-site view of a running probe session",
@@ -317,6 +320,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from exporters._console import inspect_view, make_console
 
     try:
+        if args.repair:
+            for d in exporters.repair_recording(args.dir):
+                print(f"repaired: {d['from']} -> {d['file'] or 'removed (no whole batch in it)'} ({d['rows']:,} rows)",
+                      file=sys.stderr)
         info = exporters.summarize_recording(args.dir)
         paths = exporters.plot_recording(args.dir, args.plot, sites=args.sites) if args.plot else []
     except exporters.PlotUnavailable as exc:
@@ -325,6 +332,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise LoadError(str(exc)) from None
     except OSError as exc:
         raise LoadError(f"cannot read {args.dir}: {exc.strerror or exc}") from None
+    except (KeyError, TypeError, AttributeError, IndexError, RecursionError, pa.ArrowException) as exc:
+        # A damaged or crafted file the checks above did not name (`exporters/_safe.py`): one line, no traceback.
+        raise LoadError(f"{args.dir} is not a readable probebus recording ({type(exc).__name__}: "
+                        f"{str(exc)[:200]})") from None
     if args.json:
         print(json.dumps(info, indent=1))
     else:

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--endpoint", help="where the workers bind (default: a private ipc:// path)")
     p.add_argument("--allow-remote", action="store_true",
                    help="allow an --endpoint other than loopback TCP (hidden states leak prompts: anyone who can "
-                        "reach the port reads them)")
+                        "reach the port reads them); the server must have been started with "
+                        "PROBEBUS_ALLOW_REMOTE=1 in its environment")
     add_bind_options(p)
     p.add_argument("--policy", choices=["complete", "best_effort"], default="best_effort",
                    help="complete: the server waits for slow subscribers; best_effort (default for a server): "

@@ -80,7 +80,60 @@ def _quiet_broken_pipe() -> int:
     return 128 + 13  # what a process killed by SIGPIPE reports, as `yes | head` does
 
 
+_interrupted = False  # a SIGINT arrived: what fails after it is its consequence, reported as the interruption
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; a SIGINT at any point, imports and model loading included, ends it with one line, rc 130.
+
+    Interrupted in the middle of importing torch or numpy, a later import of the same module fails with
+    `ImportError: cannot load module more than once per process`, and an uncaught KeyboardInterrupt gave a
+    traceback (rc -2): both are reported as the interruption they are."""
+    import signal
+
+    command = "probebus"
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when a caller set its own
+            signal.signal(signal.SIGINT, _on_sigint)
+        words = list(sys.argv[1:] if argv is None else argv)
+        command = f"probebus {next((w for w in words if not w.startswith('-')), '')}".strip()
+        return _main(argv)
+    except BaseException as exc:
+        if not (_interrupted or isinstance(exc, KeyboardInterrupt)) or isinstance(exc, SystemExit):
+            raise
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # a second Ctrl-C while exiting: no traceback
+        print(f"{command}: interrupted", file=sys.stderr)
+        if argv is None:  # the process's own entry point (not a caller's main([...]))
+            _exit_interrupted()
+        return 130
+
+
+def _exit_interrupted() -> None:
+    """Exit 130 now, after the exit hooks (sessions still open send what they hold: `probe/_exit.py`).
+
+    Not through the interpreter's own exit: torch runs Python snippets from C (PyRun_String) while it
+    imports, and a SIGINT that lands in one marks the interrupt "unhandled" inside CPython even though
+    it was handled here, which makes the interpreter kill itself with SIGINT at exit (rc -2)."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(130)
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from probebus._load import LoadError, go_offline
 
@@ -104,9 +157,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     except BrokenPipeError:
         return _quiet_broken_pipe()
-    except KeyboardInterrupt:
-        print(f"probebus {args.command}: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

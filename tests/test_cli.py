@@ -69,8 +69,18 @@ def test_generate_json_with_the_default_drafter_matches_no_drafter(capsys: pytes
         code, out, _ = _main_io(capsys, *args, "--drafter", drafter)
         assert code == 0
         outs[drafter] = json.loads(out.strip().splitlines()[-1])
-    assert outs["default"]["token_ids"] == outs["none"]["token_ids"] == outs["ngram"]["token_ids"]
-    assert outs["default"]["text"] and outs["default"]["stats"]["tau"] > outs["none"]["stats"]["tau"] == 1.0
+    # Whether scheduled drafting pays depends on this machine's measured costs at the moment (a loaded machine
+    # may rightly take plain steps): the scheduled runs are checked for the output only, `--fixed` for the
+    # drafter's work (it drafts every round, whatever the costs), and the speed-up belongs to the benchmarks.
+    code, out, _ = _main_io(capsys, *args, "--drafter", "default", "--fixed")
+    assert code == 0
+    outs["fixed"] = json.loads(out.strip().splitlines()[-1])
+    assert outs["default"]["token_ids"] == outs["none"]["token_ids"] == outs["ngram"]["token_ids"] == \
+        outs["fixed"]["token_ids"]
+    assert outs["default"]["text"] and outs["none"]["stats"]["tau"] == 1.0
+    fixed = outs["fixed"]["stats"]
+    assert fixed["eagle_rounds"] == fixed["rounds"] > 0 and 0 < fixed["drafted"] <= 5 * fixed["rounds"]
+    assert fixed["accepted"] > 0 and fixed["tau"] > 1.0  # the shipped head's drafts are right on this prompt
     code, err = _main(capsys, "generate", "--model", "default", "--drafter", "/nonexistent", "--prompt", "x")
     assert code == 2 and "not a name" in err and "nor a folder" in err
 
@@ -83,3 +93,28 @@ def test_every_option_has_help_text(command: str) -> None:
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     missing = [a.option_strings or a.dest for a in sub._actions if not a.help and a.dest != "help"]
     assert not missing, f"{command}: options without help text: {missing}"
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.6, 1.2, 2.0, 3.5])
+def test_sigint_at_any_point_of_start_up_ends_with_one_line(delay: float) -> None:
+    """Ctrl-C while probebus imports torch, loads the model or generates: one line, exit 130. It printed
+    tracebacks (KeyboardInterrupt inside an import, rc -2 or 1, once `ImportError: cannot load module more than
+    once per process`). Where the signal lands depends on the machine's speed; every point must end the same."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "probebus", "generate", "--model", "default", "--prompt", "x",
+                             "--max-new-tokens", "1000", "--drafter", "none"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "Traceback" not in err, err[-3000:]
+    if proc.returncode == -signal.SIGINT and not err:  # so loaded a machine that Python had not started yet:
+        return  # the signal's default action ended it, silently, before any of our code could run
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
+    assert err.strip().splitlines()[-1] == "probebus generate: interrupted", err[-3000:]

@@ -152,3 +152,16 @@ def test_readme_vllm_server_command_is_the_tested_one() -> None:
             assert flag in argv, f"{doc.name}: the vLLM server command lacks {flag}"
             if value is not None:
                 assert argv[argv.index(flag) + 1] == value, (doc.name, flag)
+
+
+def test_the_vllm_example_without_vllm_says_how_to_install_it(tmp_path: Path) -> None:
+    """Where vLLM is not installed, one line says how to install it (it ended in a ModuleNotFoundError traceback)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: test_example_runs runs the example itself")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_capture.py")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "pip install 'probebus[vllm" in r.stderr

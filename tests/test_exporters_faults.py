@@ -23,6 +23,7 @@ import exporters
 import probe
 from exporters import _files
 from exporters._gaps import GapCounter
+from exporters._safe import RecordingError
 
 IDS, MASK = left_padded([[5, 17, 33, 9], [40, 41, 42, 43, 44, 45, 46], [7, 8]])
 
@@ -214,3 +215,55 @@ def test_gap_counter_finds_a_site_that_skipped_a_step() -> None:
                 g.observe("r", step, site)
     g.observe("r2", 9, "a")  # another run starts fresh
     assert g.total == 3 and dict(g.by_site) == {"b": 2, "c": 1}
+
+
+def test_repair_makes_a_killed_recorders_rows_visible_to_every_reader(tmp_path: Path) -> None:
+    """After `kill -9` of a recorder whose file never rotated, pyarrow.dataset and polars saw 0 rows (the stream is an
+    in-progress file without a footer); `probebus inspect --repair` finishes it, after which they see exactly the
+    rows `read_recording` salvaged, and the manifest lists the file. A second repair has nothing to do."""
+    import polars as pl
+    import pyarrow.dataset as ds
+
+    model = tiny_llama(layers=2)
+    out = tmp_path / "rec"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with probe.attach(model, "layers.*.resid_post", policy="complete") as session:
+        proc = subprocess.Popen([sys.executable, "-m", "probebus", "record", "--endpoint", session.endpoint, "--out",
+                                 str(out)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            session.wait_for_subscribers(1, timeout=120)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # until whole batches are in the stream (flushed every 0.25 s)
+                _generate(model)
+                streams = [p for p in out.glob("*.inprogress") if p.stat().st_size > 8192]
+                if streams:
+                    time.sleep(0.6)  # the batch being written, and the manifest that lists the stream
+                    break
+            assert streams, "the recorder never flushed a batch"
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    salvaged = exporters.read_recording(out).num_rows
+    assert salvaged > 0 and not list(out.glob("*.arrow"))
+    assert ds.dataset(str(out), format="ipc").count_rows() == 0  # what third-party readers saw
+
+    with pytest.raises(RecordingError, match="may still be running"):
+        exporters.repair_recording(out)  # written moments ago under a manifest saying recording: maybe live
+    old = os.stat(streams[0]).st_mtime - 60
+    for f in out.glob("*.inprogress"):
+        os.utime(f, (old, old))
+    res = subprocess.run([sys.executable, "-m", "probebus", "inspect", str(out), "--repair", "--json"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "repaired:" in res.stderr and json.loads(res.stdout)["rows"] == salvaged
+    assert not list(out.glob("*.inprogress"))
+    assert ds.dataset(str(out), format="ipc").count_rows() == salvaged
+    assert pl.scan_ipc(str(out / "*.arrow")).select(pl.len()).collect().item() == salvaged
+    assert exporters.read_recording(out).num_rows == salvaged
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["state"] == "repaired" and not manifest["in_progress"]
+    assert sum(f["rows"] for f in manifest["files"]) == salvaged
+    assert exporters.repair_recording(out) == []

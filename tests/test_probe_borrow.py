@@ -52,10 +52,11 @@ def test_borrowed_captures_equal_the_oracle_on_every_family(family: str) -> None
     assert checked == len(caps) - (2 * model.config.num_hidden_layers if "layers.*.resid_mid" in sites else 0)
 
 
-def test_a_tensor_written_in_place_before_its_send_is_counted_torn_and_copying_takes_over() -> None:
+def test_a_tensor_written_in_place_before_its_send_is_never_sent_and_copying_takes_over() -> None:
     """A model that writes into a captured tensor in place after the hook (here a pre-hook of the next layer
-    doubles its input) would have ZeroMQ send the new values: the version counter catches it when the tensor
-    is handed back, the session warns, counts it, and copies every later capture at its hook."""
+    doubles its input) would have ZeroMQ send the new values: the version counter, checked just before the send at
+    the step's end, catches it: that capture is never sent (counted torn and dropped at once, a subscriber counts
+    it missed), the session warns, and copies every later capture at its hook. It used to be sent, unmarked."""
     model = build("llama")
     ids = _big_batch()
     clean = oracle_activations(model, ids)["layers.1.resid_post"]
@@ -68,29 +69,64 @@ def test_a_tensor_written_in_place_before_its_send_is_counted_torn_and_copying_t
         with probe.attach(model, "layers.1.resid_post") as session:
             sub = probe.Subscriber(session.endpoint)
             session.wait_for(sub)
-            with torch.no_grad():
-                model(ids)
-            first = sub.recv(timeout=10)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                deadline = time.monotonic() + 10
-                while session.stats.torn == 0 and time.monotonic() < deadline:
-                    session._copy.return_borrowed()  # what the next capture or step end does first
-                    time.sleep(0.01)
-            assert session.stats.torn == 1
+                with torch.no_grad():
+                    model(ids)
+            assert session.stats.torn == 1 and session.stats.dropped == 1 and session.stats.published == 0
             assert any("wrote into a captured tensor" in str(w.message) for w in caught)
             with torch.no_grad():
                 model(ids)
                 model(ids)
-        rest = list(sub.iter(idle_timeout=5.0))
+        caps = list(sub.iter(idle_timeout=5.0))
         sub.close()
     finally:
         handle.remove()
-    assert first is not None and len(rest) == 2
-    torch.testing.assert_close(first.tensor, 2 * clean.reshape(-1, 64), rtol=0, atol=0)  # what "torn" means
-    for cap in rest:  # copied at the hook, before the next layer doubled the tensor
+    assert [c.seq for c in caps] == [1, 2] and sub.stats.missed == 1 and sub.stats.torn == 0
+    for cap in caps:  # copied at the hook, before the next layer doubled the tensor
         torch.testing.assert_close(cap.tensor, clean.reshape(-1, 64), rtol=0, atol=0)
-    assert session.stats.torn == 1 and session.stats.published == 3
+    assert session.stats.torn == 1 and session.stats.published == 2
+
+
+def test_a_tensor_written_while_zeromq_sends_it_is_flagged_to_subscribers(tmp_path) -> None:  # noqa: ANN001
+    """A write after the step's end, while ZeroMQ still sends the capture from the tensor (here: the subscriber
+    reads nothing yet, so 3 MiB wait in the pipe), cannot be undone: the capture arrives with mixed values, and the
+    session flags it in-band once it knows (site, seq in `Subscriber.torn`, `SubscriberStats.torn`); a recorder
+    counts it in its manifest."""
+    import json
+
+    import exporters
+
+    model = build("llama")
+    ids = torch.randint(3, 128, (16, 256), generator=torch.Generator().manual_seed(0))  # 1 MiB a capture
+    kept: list[torch.Tensor] = []
+    handle = model.model.layers[0].register_forward_hook(lambda mod, args, out: kept.append(
+        out[0] if isinstance(out, tuple) else out))
+    try:
+        with probe.attach(model, "layers.*.resid_post") as session:
+            rec = exporters.ArrowRecorder(session, tmp_path / "rec").start()
+            sub = probe.Subscriber(session.endpoint, rcvhwm=1)
+            session.wait_for(sub)
+            with torch.no_grad():
+                model(ids)
+            assert session.stats.published == 3 and session.stats.torn == 0
+            assert session._copy._borrowed, "the first capture should still be in ZeroMQ's hands"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                kept[0].mul_(2)  # the model's thread writes into the tensor ZeroMQ is sending
+                caps = [sub.recv(timeout=10) for _ in range(3)]
+                deadline = time.monotonic() + 10
+                while session.stats.torn == 0 and time.monotonic() < deadline:
+                    session._copy.return_borrowed()  # what the next capture or step end does first
+                    time.sleep(0.01)
+        rest = list(sub.iter(idle_timeout=5.0))
+        sub.close()
+        rec.stop()
+    finally:
+        handle.remove()
+    assert all(c is not None for c in caps) and rest == []
+    assert session.stats.torn == 1 and sub.stats.torn == 1 and list(sub.torn) == [("layers.0.resid_post", 0)]
+    assert json.loads((tmp_path / "rec" / "_manifest.json").read_text())["counts"]["torn"] == 1
 
 
 def test_borrow_false_copies_every_capture() -> None:

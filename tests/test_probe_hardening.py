@@ -480,3 +480,134 @@ def test_bus_threads_leave_the_core_a_vllm_worker_is_pinned_to() -> None:
     assert all(cpus == [0] for cpus in out["none"]["threads"].values()), out["none"]  # the negative control
     assert "io_cpus [4096] are not cores this process may use" in out["bogus"]["stderr"]
     assert all(cpus == [0] for cpus in out["bogus"]["threads"].values()), out["bogus"]
+
+
+def _type_confused_frames() -> list[bytes]:
+    """Control frames that are valid JSON of the wrong shape: each raised out of Subscriber.recv once."""
+    from probe._wire import END_TOPIC, INFO_TOPIC, REQUESTS_TOPIC
+
+    deep = b"[" * 100_000 + b"]" * 100_000  # RecursionError in the JSON decoder
+    good_info = {"run": "r", "endpoint": "e", "pid": 1}
+    bodies = [
+        (INFO_TOPIC, deep), (END_TOPIC, deep), (REQUESTS_TOPIC, deep),
+        (INFO_TOPIC, {**good_info, "requests": [1, 2]}),  # a list where a map is expected
+        (INFO_TOPIC, {**good_info, "counts": [1]}),
+        (INFO_TOPIC, {**good_info, "counts": {"layers.0.resid_post": 1e400}}),  # OverflowError
+        (INFO_TOPIC, {**good_info, "sites": "layers.0.resid_post"}),  # a string where a list is expected
+        (INFO_TOPIC, {**good_info, "pid": [1], "run": {"a": 1}, "started": "yesterday"}),
+        (INFO_TOPIC, {**good_info, "requests": {"0": {"seq_id": 0, "request_id": "a", "first_position": 1e400}}}),
+        (END_TOPIC, {"counts": {"layers.0.resid_post": 1e400}}),
+        (END_TOPIC, {"counts": {"layers.0.resid_post": [3]}}),
+        (END_TOPIC, {"counts": {"layers.0.resid_post": -5}}),
+        (END_TOPIC, {"counts": {"layers.0.resid_post": True}}),
+        (REQUESTS_TOPIC, {"requests": [1]}),
+        (REQUESTS_TOPIC, {"requests": {"0": [1]}}),
+        (REQUESTS_TOPIC, {"requests": {"0": {"seq_id": 0}}, "recomputed": 1e400}),
+        (REQUESTS_TOPIC, {"requests": {"1e400": {"seq_id": 0}}}),
+    ]
+    frames = [topic + (body if isinstance(body, bytes) else json.dumps(body).encode()) for topic, body in bodies]
+    return [*frames, END_TOPIC + b'{"counts": {"layers.0.resid_post": 1e400}}']
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_type_confused_control_frames_are_counted_and_skipped_by_a_subscriber_a_recorder_and_top(
+        tmp_path: Path) -> None:
+    """Valid JSON of the wrong types (a list for a map, 1e400, deep nesting) in info, end and request frames: a
+    Subscriber counts each as malformed and goes on, a recorder (`probebus record --endpoint`) records the good
+    captures and ends cleanly, `probebus top` reports and exits 0; none of them takes a bad end of stream for the
+    end. Before, each raised out of `recv` (AttributeError, OverflowError, RecursionError)."""
+    from probe._wire import DTYPE_CODE, END_TOPIC, INFO_TOPIC, PRESENCE, encode_control
+
+    endpoint = f"ipc://{tmp_path}/hostile.sock"
+    pub = zmq.Context.instance().socket(zmq.XPUB)
+    pub.bind(endpoint)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cli = [sys.executable, "-m", "probebus"]
+    record = subprocess.Popen([*cli, "record", "--endpoint", endpoint, "--out", str(tmp_path / "rec"), "--json",
+                               "--duration", "120"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    top = subprocess.Popen([*cli, "top", endpoint, "--json", "--duration", "120", "--interval", "0.2"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sub = probe.Subscriber(endpoint)
+    try:
+        present: set[bytes] = set()
+        deadline = time.monotonic() + 180  # two processes importing torch on a loaded machine
+        while len(present) < 3 and time.monotonic() < deadline:  # each subscribes to its presence topic last
+            if pub.poll(100):
+                msg = pub.recv()
+                if msg[1:].startswith(PRESENCE):
+                    (present.add if msg[0] == 1 else present.discard)(msg[1:])
+        assert len(present) == 3, (record.poll(), top.poll())
+        site = b"layers.0.resid_post"
+        pub.send(encode_control(INFO_TOPIC, {"run": "r", "endpoint": endpoint, "pid": 1, "sites": [site.decode()]}))
+        hostile = _type_confused_frames()
+        for frame in hostile:
+            pub.send(frame)
+        tokens = np.zeros((3, 1), np.int64).tobytes()
+        for i in range(3):
+            pub.send(encode_envelope(b"r", site, 1, DTYPE_CODE[torch.float32], i + 1, 0, 4, tokens,
+                                     np.full(4, i, np.float32).tobytes(), seq=i))
+        caps = [sub.recv(timeout=10) for _ in range(3)]
+        assert [c and c.step for c in caps] == [1, 2, 3] and not sub.ended
+        assert sub.stats.malformed == len(hostile) and sub.info is not None and sub.info.sites == [site.decode()]
+        end = encode_control(END_TOPIC, {"run": "r", "endpoint": endpoint, "counts": {site.decode(): 3}})
+        while present and time.monotonic() < deadline:  # repeated until each has acknowledged it
+            pub.send(end)
+            assert sub.recv(timeout=0.1) is None  # this process's subscriber reads it here
+            while pub.poll(200):
+                msg = pub.recv()
+                if msg[1:].startswith(PRESENCE) and msg[0] == 0:
+                    present.discard(msg[1:])
+        assert not present, (record.poll(), top.poll(), sub.ended)
+        rec_out, rec_err = record.communicate(timeout=60)
+        top_out, top_err = top.communicate(timeout=60)
+    finally:
+        for p in (record, top):
+            p.kill()
+        sub.close()
+        pub.close(0)
+    assert sub.ended and sub.stats.received == 3 and sub.stats.missed == 0
+    assert record.returncode == 0 and "Traceback" not in rec_err, rec_err
+    assert json.loads(rec_out)["rows"] == 3, rec_out
+    manifest = json.loads((tmp_path / "rec" / "_manifest.json").read_text())
+    assert manifest["state"] != "failed" and not manifest.get("error"), manifest
+    assert top.returncode == 0 and "Traceback" not in top_err, top_err
+    totals = json.loads(top_out)
+    assert totals["ended"] and totals["captures"] == 3 and totals["malformed"] >= len(hostile), totals
+
+
+def test_a_late_joiner_counts_nothing_missed_that_was_published_before_it_joined() -> None:
+    """Joining a session that is stepping, a subscriber may receive captures before the session info (ZeroMQ's I/O
+    thread applies its subscription before the model's thread reads it and sends the info): it used to count every
+    capture published before it joined as missed (a recorder reported "lost N (missed on the bus N)" with no hole
+    in its data). Each of 6 joiners here receives an unbroken run of seqs per site and counts 0 missed."""
+    model = build("llama")
+    stop = threading.Event()
+    with probe.attach(model, "layers.*.resid_post", max_delay=0) as session:
+        def step() -> None:
+            with torch.no_grad():
+                while not stop.is_set():
+                    model(torch.tensor([[5, 6, 7, 8]]))
+                    time.sleep(0.001)
+
+        stepper = threading.Thread(target=step)
+        stepper.start()
+        try:
+            while session.step < 20:
+                time.sleep(0.01)
+            results = []
+            for _ in range(6):
+                sub = probe.Subscriber(session.endpoint)
+                seqs: dict[str, list[int]] = {}
+                deadline = time.monotonic() + 0.7
+                while time.monotonic() < deadline:
+                    cap = sub.recv(timeout=0.1)
+                    if cap is not None:
+                        seqs.setdefault(cap.site, []).append(cap.seq)
+                sub.close()
+                results.append((sub.stats.missed, seqs))
+        finally:
+            stop.set()
+            stepper.join(30)
+    for missed, seqs in results:
+        assert seqs and missed == 0, [(m, {k: (v[0], len(v)) for k, v in s.items()}) for m, s in results]
+        assert all(v == list(range(v[0], v[0] + len(v))) for v in seqs.values())  # nothing really lost either

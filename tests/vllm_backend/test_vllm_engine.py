@@ -137,6 +137,7 @@ def test_prefix_cached_positions_are_absent_not_invented(llm, hf) -> None:
     outs, caps, info = _record(llm, [{"prompt_token_ids": second}], max_tokens=4)
     entry = _seq_of(info, outs[0].request_id)
     assert entry["first_position"] == 2 * block, "the cached prefix is declared by where the stream starts"
+    assert entry["cached_positions"] == 2 * block and entry["joined"] is False  # a cache hit, not a late start
     assert min(int(c.positions.min()) for c in caps) == 2 * block
     _check_against_transformers(hf, outs, caps, info)
 
@@ -268,3 +269,33 @@ def test_a_compiled_engine_without_the_extension_is_refused_by_name(monkeypatch)
                                   args=(["layers.0.resid_post"], None, "complete", "norun", 1 << 20, 5.0, MODEL))
     finally:
         engine.llm_engine.engine_core.shutdown()
+
+
+def test_a_request_running_at_attach_is_marked_joined_not_cached(llm) -> None:
+    """A request already running when the session attaches starts its stream past 0 too, but not because of the
+    prefix cache: its entry says `joined` (cached_positions 0), a request started after the attach does not, and
+    `first_position` is where each stream starts. They used to be told apart by nothing."""
+    tok = _tokenizer()
+    engine = llm.llm_engine
+    params = vllm.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    early = tok("def early(a, b):\n    return")["input_ids"]
+    engine.add_request("early", {"prompt_token_ids": early}, params)
+    for _ in range(3):  # its prefill and two decode steps, unobserved
+        engine.step()
+    with probe.vllm.attach(llm, "final_norm") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for_subscribers(1, timeout=30)
+        engine.add_request("late", {"prompt_token_ids": tok("class Late:\n    pass")["input_ids"]}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    caps = list(sub.iter(idle_timeout=30))
+    entries = {e["request_id"]: e for e in sub.info.requests.values()}
+    sub.close()
+    assert entries["early"]["joined"] is True and entries["early"]["cached_positions"] == 0
+    assert entries["early"]["first_position"] > len(early)  # its prefill (and a decode or two) ran before the attach
+    assert entries["late"]["joined"] is False and entries["late"]["first_position"] == 0
+    first = {}
+    for c in caps:
+        for s, p in zip(c.seq_ids.tolist(), c.positions.tolist(), strict=True):
+            first[s] = min(p, first.get(s, p))
+    assert first == {e["seq_id"]: e["first_position"] for e in entries.values()}

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -112,3 +113,28 @@ def test_attach_watch_detach_a_live_server(server, tmp_path) -> None:
     assert stranger.recv(timeout=0.5) is None and stranger.stats.received == 0 and not stranger.ended
     assert _cli("detach", "--vllm", server).returncode == 2, "nothing is attached any more"
     _complete(server, "after", 2)  # the server keeps serving without probes
+
+
+def test_a_client_cannot_make_a_worker_bind_beyond_the_machine(server) -> None:
+    """Any client of the dev-mode HTTP route could ask a worker to bind tcp://0.0.0.0 ("allow_remote": true) and
+    have every request's activations published there: a worker takes allow_remote only from an engine started with
+    PROBEBUS_ALLOW_REMOTE=1 (this one was not), through either RPC method, and binds nothing."""
+    port = _port()
+    spec = {"sites": ["layers.0.resid_post"], "endpoint": f"tcp://0.0.0.0:{port}", "run": "intruder",
+            "allow_remote": True}
+    calls = [("probebus_attach_json", [json.dumps(spec)]),
+             ("probebus_attach", [["layers.0.resid_post"], f"tcp://0.0.0.0:{port}", "best_effort", "intruder",
+                                  1 << 20, 60, "", None, 0.5, True, None, None])]
+    for method, args in calls:
+        body = json.dumps({"method": method, "args": args, "timeout": 60}).encode()
+        req = urllib.request.Request(f"{server}/collective_rpc", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                answer = resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as exc:
+            answer = exc.read().decode(errors="replace")
+        assert "PROBEBUS_ALLOW_REMOTE" in answer, answer[:2000]
+        with socket.socket() as s:  # nothing listens there: the port is still free
+            s.bind(("0.0.0.0", port))
+    assert _cli("detach", "--vllm", server).returncode in (0, 2)  # nothing attached (or already detached)
