@@ -269,7 +269,7 @@ class Hooks:
                 t = third[0] if isinstance(third, (tuple, list)) else third
             if compiling():
                 staged.append((index, t))
-            elif isinstance(t, tensor) and name in active:  # `_take`, inline: a call here costs more than it
+            elif isinstance(t, tensor) and name in active:  # (as `_take_staged` takes a traced tap's tensor)
                 deferred = self._deferred
                 if deferred is not None:
                     deferred.append((key, t, t._version))
@@ -280,20 +280,15 @@ class Hooks:
     def _take_staged(self) -> None:
         """The tensors that taps traced by torch.compile staged (`_compiled.py`), each taken as its tap takes one in
         eager mode. They are outputs of the graph, which nothing writes into later."""
-        staged, active, keys = self._staged, self.active, self._keys
+        staged, active, keys, deferred = self._staged, self.active, self._keys, self._deferred
         for index, t in staged:
             key = keys.get(index)
             if key is not None and key.name in active and isinstance(t, torch.Tensor):
-                self._take(key, t)
+                if deferred is not None:  # as the site tap's eager branch does, inline on this path too
+                    deferred.append((key, t, t._version))
+                else:
+                    self._capture(key, t)
         staged.clear()
-
-    def _take(self, key: SiteKey, t: torch.Tensor) -> None:
-        """A site's tensor: noted for the step's end while deferring, else copied now."""
-        deferred = self._deferred
-        if deferred is not None:
-            deferred.append((key, t, t._version))
-        else:
-            self._capture(key, t)
 
     def _end_deferred(self) -> None:
         """Capture the step's deferred tensors, in the order their hooks ran."""
