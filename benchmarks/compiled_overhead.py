@@ -62,6 +62,7 @@ def call(model, tok, compiled, prompt: str, mode: str, sample: bool, seed: int, 
         dt = time.perf_counter() - t
     if session is not None:
         session.close()
+        session.join(30)  # the endpoint is free again once the subscriber has the end of stream
         stats = session.stats
         assert stats.dropped == 0 and stats.published == stats.captured > 0, stats
     return dt, out[0, ids.shape[1]:].tolist()
