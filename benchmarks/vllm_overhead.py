@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/vllm_overhead.py              # 15 interleaved rounds, batch 1 and 8
     .venv-vllm/bin/python benchmarks/vllm_overhead.py --quick
-    .venv-vllm/bin/python benchmarks/vllm_overhead.py --engines eager compiled --default-model --skip-transformers
+    .venv-vllm/bin/python benchmarks/vllm_overhead.py --engines eager compiled-plain compiled --default-model --skip-transformers
 
 Runs where vLLM is installed (see .ci/run for the environment). Model: a random Llama
 (hidden 512, 8 layers, vocab 8192) saved to a temporary folder; prompts of 64 tokens,
@@ -61,13 +61,17 @@ def prompts(batch: int) -> list[list[int]]:
     return [torch.randint(3, 8192, (ARGS.prompt,), generator=g).tolist() for _ in range(batch)]
 
 
-def bench_vllm(path: str, endpoint: str, eager: bool = True) -> dict[int, dict[str, list[float]]]:
+def bench_vllm(path: str, endpoint: str, engine: str = "eager") -> dict[int, dict[str, list[float]]]:
+    """`engine`: "eager" (enforce_eager), "compiled" (vLLM's default mode, with the extension's taps), or
+    "compiled-plain" (the default mode without the extension: no taps at all, probes off only)."""
     import vllm
 
     import probe.vllm
 
-    llm = vllm.LLM(model=path, dtype="float32", max_model_len=512, enforce_eager=eager, seed=0,
-                   gpu_memory_utilization=0.15, enable_prefix_caching=False, **probe.vllm.ENGINE_KWARGS)
+    plain = engine == "compiled-plain"
+    llm = vllm.LLM(model=path, dtype="float32", max_model_len=512, enforce_eager=engine == "eager", seed=0,
+                   gpu_memory_utilization=0.15, enable_prefix_caching=False,
+                   **({} if plain else probe.vllm.ENGINE_KWARGS))
     params = vllm.SamplingParams(max_tokens=ARGS.new_tokens, temperature=0, ignore_eos=True)
     out: dict[int, dict[str, list[float]]] = {}
     for batch in ARGS.batches:
@@ -75,7 +79,7 @@ def bench_vllm(path: str, endpoint: str, eager: bool = True) -> dict[int, dict[s
         llm.generate(reqs, params, use_tqdm=False)  # warm-up
         res: dict[str, list[float]] = {"off": [], "on": []}
         for rep in range(ARGS.repeats):
-            for mode in (["off", "on"] if rep % 2 == 0 else ["on", "off"]):
+            for mode in ["off"] if plain else (["off", "on"] if rep % 2 == 0 else ["on", "off"]):
                 session = probe.vllm.attach(llm, "layers.*.resid_post", endpoint=endpoint) if mode == "on" else None
                 if session is not None:
                     session.wait_for_subscribers(1, timeout=30)
@@ -127,11 +131,16 @@ def bench_transformers(path: str, endpoint: str) -> dict[int, dict[str, list[flo
 def report(name: str, results: dict[int, dict[str, list[float]]],
            base: dict[int, dict[str, list[float]]] | None = None) -> None:
     for batch, res in results.items():
-        off, on = statistics.median(res["off"]), statistics.median(res["on"])
+        off = statistics.median(res["off"])
         if base is not None:
             ref = statistics.median(base[batch]["off"])
+            on_ratio = f", on {statistics.median(res['on']) / ref:.2f}x" if res["on"] else ""
             print(f"  {name:12s} batch {batch}: against the eager engine without probes: probes off "
-                  f"{off / ref:.2f}x, on {on / ref:.2f}x")
+                  f"{off / ref:.2f}x{on_ratio}")
+        if not res["on"]:
+            print(f"  {name:12s} batch {batch}: {off:7.1f} tok/s [{min(res['off']):.1f}..{max(res['off']):.1f}]")
+            continue
+        on = statistics.median(res["on"])
         pairs = [100 * (1 - b / a) for a, b in zip(res["off"], res["on"], strict=True)]
         lo, hi = bootstrap_median(pairs)
         print(f"  {name:12s} batch {batch}: off {off:7.1f} tok/s [{min(res['off']):.1f}..{max(res['off']):.1f}]"
@@ -147,7 +156,7 @@ if __name__ == "__main__":
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="concurrent requests (default: 1 8)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (default: %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens per request (default: %(default)s)")
-    ap.add_argument("--engines", nargs="+", choices=("eager", "compiled"), default=["eager"])
+    ap.add_argument("--engines", nargs="+", choices=("eager", "compiled", "compiled-plain"), default=["eager"])
     ap.add_argument("--default-model", action="store_true", help="the shipped default model, not a random one")
     ap.add_argument("--skip-transformers", action="store_true")
     ARGS = ap.parse_args()
@@ -167,7 +176,7 @@ if __name__ == "__main__":
     endpoint = f"ipc://{folder}/bus"
     drain = subprocess.Popen([sys.executable, "-c", DRAIN, endpoint, "1"])
     try:
-        v = {e: bench_vllm(str(model_dir), endpoint, eager=e == "eager") for e in ARGS.engines}
+        v = {e: bench_vllm(str(model_dir), endpoint, e) for e in ARGS.engines}
         t = None if ARGS.skip_transformers else bench_transformers(str(model_dir), endpoint)
     finally:
         drain.kill()
