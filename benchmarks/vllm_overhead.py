@@ -2,7 +2,8 @@
 
     .venv-vllm/bin/python benchmarks/vllm_overhead.py              # 15 interleaved rounds, batch 1 and 8
     .venv-vllm/bin/python benchmarks/vllm_overhead.py --quick
-    .venv-vllm/bin/python benchmarks/vllm_overhead.py --engines eager compiled-plain compiled --default-model --skip-transformers
+    .venv-vllm/bin/python benchmarks/vllm_overhead.py --engines eager compiled-plain compiled \
+        --default-model --skip-transformers                          # vLLM's compiled mode beside eager
 
 Runs where vLLM is installed (see .ci/run for the environment). Model: a random Llama
 (hidden 512, 8 layers, vocab 8192) saved to a temporary folder; prompts of 64 tokens,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -101,3 +103,20 @@ class FaultyFile:
     def close(self) -> None:
         self.closed = True
         self.f.close()
+
+
+def record_until_rows(out: Path, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`probebus record` of a long generation into `out`, returned once the manifest counts rows (or the process
+    ended, or 120 s passed): a recording in progress, for tests that interrupt one."""
+    cmd = [sys.executable, "-m", "probebus", "record", "--model", "default", "--prompt", "def main():\n",
+           "--sites", "layers.*.resid_post", "--max-new-tokens", "900", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if json.loads((out / "_manifest.json").read_text())["counts"]["rows"] > 0:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    return proc

@@ -135,23 +135,13 @@ def test_tables_are_not_clipped_when_stdout_is_not_a_terminal(tmp_path: Path) ->
 
 
 def test_an_interrupted_recording_says_so_in_its_status(tmp_path: Path) -> None:
-    import json
     import signal
-    import time
+
+    from _exporters_helpers import record_until_rows
 
     out = tmp_path / "rec"
-    cmd = [sys.executable, "-m", "probebus", "record", "--model", "default", "--prompt", "def main():\n", "--sites",
-           "layers.*.resid_post", "--max-new-tokens", "900", "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = record_until_rows(out, tmp_path, _env())
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:  # wait until rows are being written
-            try:
-                if json.loads((out / "_manifest.json").read_text())["counts"]["rows"] > 0:
-                    break
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:

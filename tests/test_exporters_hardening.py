@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-from _exporters_helpers import ROOT, FaultyFile, tiny_llama
+from _exporters_helpers import ROOT, FaultyFile, record_until_rows, tiny_llama
 from models import PAD, left_padded
 
 import exporters
@@ -100,18 +100,8 @@ def test_big_capture_of_a_new_shape_does_not_deadlock(tmp_path: Path) -> None:
 def test_signal_finishes_files_and_manifest(tmp_path: Path, sig: signal.Signals) -> None:
     """SIGINT/SIGTERM during generation: the command stops within seconds, with every file finished."""
     out = tmp_path / "rec"
-    cmd = [sys.executable, "-m", "probebus", "record", "--model", "default", "--prompt", "def main():\n",
-           "--sites", "layers.*.resid_post", "--max-new-tokens", "900", "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = record_until_rows(out, ROOT, _env())
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:  # wait until rows are being written
-            try:
-                if json.loads((out / "_manifest.json").read_text())["counts"]["rows"] > 0:
-                    break
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         t0 = time.monotonic()
         proc.send_signal(sig)
