@@ -9,10 +9,13 @@ the model-core placement, every thread on every core with 2 torch threads in the
   compiled        transformers' documented fast path: `model.forward = torch.compile(model.forward,
                   fullgraph=True)` and a static KV cache (one StaticCache of 512 positions per call), no probe
   compiled+probe  the same with `probe.attach(model, "layers.*.resid_post")` and a Subscriber in another
-                  process reading everything (attached for the call, so the unprobed graph stays the baseline)
+                  process reading everything, attached for the call and closed after it
+  compiled+session  one such session attached for the whole run, resumed for the call and paused after it
+                  (a long-observed model: its graphs are in Dynamo's cache, nothing is set up per call)
 Every graph is compiled before the clock starts (a warm-up pass over every prompt in every mode).
 Reported per set and decoding mode: each mode's median seconds per call, and the ratio of each call to the
-`compiled` call of the same prompt and repeat (median and range). Greedy output is checked identical across
+`compiled` call of the same prompt and repeat (median and range), for the whole call and for its decode
+steps alone (a streamer's timestamps from the first new token to the last). Greedy output is checked identical across
 modes; sampled calls share a seed per prompt.
 """
 
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StaticCache
+from transformers.generation.streamers import BaseStreamer
 
 import probe
 from probebus.models import resolve_model
@@ -36,12 +40,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _prompt_sets import load_sets  # noqa: E402
 from overhead import DRAIN, machine, model_core  # noqa: E402
 
-MODES = ("eager", "compiled", "compiled+probe")
+MODES = ("eager", "compiled", "compiled+probe", "compiled+session")
+
+
+class DecodeClock(BaseStreamer):
+    """Timestamps of every `put` (the prompt, then each new token)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 SITES = "layers.*.resid_post"
 
 
 def call(model, tok, compiled, prompt: str, mode: str, sample: bool, seed: int,  # noqa: ANN001
-         endpoint: str) -> tuple[float, list[int]]:
+         endpoint: str, long: probe.ProbeSession) -> tuple[float, float, list[int]]:
+    """(seconds of the call, seconds per decode step, the new tokens)."""
     ids = tok(prompt, return_tensors="pt").input_ids[:, -ARGS.prompt_tokens:]
     kw = dict(max_new_tokens=ARGS.new_tokens, min_new_tokens=ARGS.new_tokens, attention_mask=torch.ones_like(ids),
               pad_token_id=0, do_sample=sample)
@@ -55,17 +73,23 @@ def call(model, tok, compiled, prompt: str, mode: str, sample: bool, seed: int, 
     session = probe.attach(model, SITES, endpoint=endpoint) if mode == "compiled+probe" else None
     if session is not None:
         session.wait_for_subscribers(1, timeout=30)
+    if mode == "compiled+session":
+        long.resume()
+    clock = DecodeClock()
     torch.manual_seed(seed)
     with torch.no_grad(), model_core(ARGS.placement == "model-core"):
         t = time.perf_counter()
-        out = model.generate(ids, **kw)
+        out = model.generate(ids, streamer=clock, **kw)
         dt = time.perf_counter() - t
+    if mode == "compiled+session":
+        long.pause()
     if session is not None:
         session.close()
         session.join(30)  # the endpoint is free again once the subscriber has the end of stream
         stats = session.stats
         assert stats.dropped == 0 and stats.published == stats.captured > 0, stats
-    return dt, out[0, ids.shape[1]:].tolist()
+    step = (clock.times[-1] - clock.times[1]) / (len(clock.times) - 2)  # [0]: the prompt, [1]: after the prefill
+    return dt, step, out[0, ids.shape[1]:].tolist()
 
 
 def main() -> None:
@@ -81,6 +105,10 @@ def main() -> None:
     compiled = torch.compile(model.forward, fullgraph=True)
     endpoint = f"ipc:///tmp/probebus-compiled-{os.getpid()}"
     drain = subprocess.Popen([sys.executable, "-c", DRAIN, "probebus", endpoint])
+    drain_long = subprocess.Popen([sys.executable, "-c", DRAIN, "probebus", endpoint + "-long"])
+    long = probe.attach(model, SITES, endpoint=endpoint + "-long")
+    long.wait_for_subscribers(1, timeout=30)
+    long.pause()
     sets = {k: v[: ARGS.prompts] for k, v in load_sets(ARGS.sets).items()}
     print("machine:", machine())
     print(f"default model, fp32, {ARGS.placement} placement, last {ARGS.prompt_tokens} prompt tokens, "
@@ -91,30 +119,38 @@ def main() -> None:
             for i, p in enumerate(prompts):
                 for mode in MODES:
                     for sample in (False, True):
-                        call(model, tok, compiled, p, mode, sample, i, endpoint)
+                        call(model, tok, compiled, p, mode, sample, i, endpoint, long)
         print(f"warm-up (compiles included) {time.perf_counter() - t:.0f} s")
         for name, prompts in sets.items():
             for sample in (False, True):
                 secs: dict[str, list[float]] = {m: [] for m in MODES}
                 ratios: dict[str, list[float]] = {m: [] for m in MODES}
+                steps: dict[str, list[float]] = {m: [] for m in MODES}
                 same = 0
                 for r in range(ARGS.repeats):
                     for i, p in enumerate(prompts):
                         k = (i + r) % len(MODES)
-                        got = {m: call(model, tok, compiled, p, m, sample, i, endpoint)
+                        got = {m: call(model, tok, compiled, p, m, sample, i, endpoint, long)
                                for m in MODES[k:] + MODES[:k]}
                         for m in MODES:
                             secs[m].append(got[m][0])
                             ratios[m].append(got[m][0] / got["compiled"][0])
-                        same += len({tuple(v[1]) for v in got.values()}) == 1
+                            steps[m].append(got[m][1] / got["compiled"][1])
+                        same += len({tuple(v[2]) for v in got.values()}) == 1
                 label = f"{name}, {'T = 0.8' if sample else 'greedy'}"
                 print(f"\n{label}: {same}/{len(prompts) * ARGS.repeats} calls with the same tokens in every mode")
                 for m in MODES:
-                    rs = ratios[m]
-                    print(f"  {m:15s} {1e3 * statistics.median(secs[m]):8.1f} ms/call   x compiled: "
-                          f"{statistics.median(rs):.3f} [{min(rs):.3f}-{max(rs):.3f}]")
+                    rs, ds = ratios[m], steps[m]
+                    print(f"  {m:17s} {1e3 * statistics.median(secs[m]):8.1f} ms/call   x compiled: call "
+                          f"{statistics.median(rs):.3f} [{min(rs):.3f}-{max(rs):.3f}], decode step "
+                          f"{statistics.median(ds):.3f} [{min(ds):.3f}-{max(ds):.3f}]")
+        long.close()
+        long.join(30)
+        stats = long.stats
+        assert stats.dropped == 0 and stats.published == stats.captured > 0, stats
     finally:
         drain.kill()
+        drain_long.kill()
 
 
 if __name__ == "__main__":
