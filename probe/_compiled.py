@@ -15,10 +15,9 @@ step, a copy of a larger one. A graph output is a fresh tensor that nothing writ
 
 The step's identity is read outside the graph: the model's step hooks are `nn.Module` hooks,
 which run in `Module.__call__`, around a compiled `forward`. Where the whole call is compiled
-(`torch.compile(model)`, transformers' compiled generate), they are marked for Dynamo to run as
-eager code (`eager`): one graph break before the forward and one after it. With
-`fullgraph=True` on the whole call that is an error from Dynamo naming them; compile
-`model.forward` instead (transformers' documented recipe), which keeps every graph whole.
+(`torch.compile(model)` or `model.__call__`, transformers' compiled generate), they are also marked
+for Dynamo to run as eager code (`eager`) in case it traces them; with torch 2.13 both of those
+compile with `fullgraph=True` and the hooks run outside the graph (tested with a probed session).
 
 Recompiles: Dynamo guards on a module's `forward`, so attaching to a model compiled earlier
 compiles it once more with the taps in it (each graph: the prefill's and the decode step's). A

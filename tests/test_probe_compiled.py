@@ -128,12 +128,12 @@ def test_pause_resume_close_and_a_second_session_reuse_the_compiled_graphs() -> 
 
 
 def test_a_compiled_call_keeps_each_step_identity() -> None:
-    """The whole `__call__` compiled (the step hooks inside it run as eager code), a hand-written decode loop
+    """The whole `__call__` compiled, fullgraph (the step hooks run outside the graph), a hand-written decode loop
     over a dynamic cache: positions, tokens and values as eager computes them."""
     from transformers import DynamicCache
 
     model = build("llama", layers=2)
-    call = torch.compile(model.__call__)
+    call = torch.compile(model.__call__, fullgraph=True)
     ids = torch.tensor([PROMPTS[0]])
     with probe.attach(model, "layers.*.resid_post") as session:
         sub = probe.Subscriber(session.endpoint)
