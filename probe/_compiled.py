@@ -10,7 +10,7 @@ Dynamo records that as a side effect of the graph: the tensor becomes one more o
 graph, and once the graph has run the list holds the real tensors. The graph stays whole
 (`fullgraph=True` holds), Inductor compiles the model as it would without probes, and nothing
 of probebus runs inside it. The step's end, which runs as eager code after the graph, hands each
-tensor to the copy path as an eager tap would (`Hooks.take_staged`): a deferred capture of a small
+tensor to the copy path as an eager tap would (`Hooks._take_staged`): a deferred capture of a small
 step, a copy of a larger one. A graph output is a fresh tensor that nothing writes into later.
 
 The step's identity is read outside the graph: the model's step hooks are `nn.Module` hooks,
@@ -27,7 +27,7 @@ off (close, pause) goes back to the graphs compiled without them, and putting th
 other set of tapped modules (another site list, `remove()` of a module's last site) is one more
 compile, and one more entry of Dynamo's cache, which `torch._dynamo.config.recompile_limit`
 bounds (8 by default; past it Dynamo runs the code eagerly, or fails under `fullgraph=True`).
-Measured in docs/design.md.
+Measured in docs/benchmarks.md (Compiled models).
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ class Hooks:
         # has run (`_compiled.py`).
         self._staged: list[tuple[int, torch.Tensor]] = []
         self._keys: dict[int, SiteKey] = {}
-        self._fired = 0  # captures taken in this step outside the deferred list (see `end_step`)
+        self._fired = 0  # captures taken in this step outside the deferred list (see `_on_step_end`)
 
     def change(self, op: str, names: list[str]) -> None:
         """Add or remove sites; from another thread while a forward may run, at the next step."""
@@ -202,19 +202,14 @@ class Hooks:
 
     # --- hot path ------------------------------------------------------------------------------
     def _on_step_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ref = ids if ids is not None else kwargs.get("inputs_embeds")
-        self._begin(ref, ids, kwargs.get("attention_mask"), cache_length(kwargs.get("cache",
-                                                                                    kwargs.get("past_key_values"))))
-
-    def _begin(self, ref: torch.Tensor | None, ids: torch.Tensor | None, mask: torch.Tensor | None,
-               past: int) -> None:
         self._model_thread = threading.get_ident()
         if self._pending:
             with self._lock:
                 for op, names in self._pending:
                     self._apply(op, names)
                 self._pending.clear()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ref = ids if ids is not None else kwargs.get("inputs_embeds")
         if ref is None:
             self._ident = None
             return
@@ -222,7 +217,9 @@ class Hooks:
             self._end_deferred()
         tracker = self.ids
         self._fired = 0
-        self._ident = ident = tracker.begin(ids, mask, past, ref.shape[0], ref.shape[1], self.override, ref.device)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        self._ident = ident = tracker.begin(ids, kwargs.get("attention_mask"), cache_length(cache), ref.shape[0],
+                                            ref.shape[1], self.override, ref.device)
         self._deferred = ([] if self.defer and ident.batch * ident.seq_len <= DEFER_ROWS
                           and not torch.is_inference_mode_enabled() else None)
         if tracker.warnings:
@@ -231,9 +228,6 @@ class Hooks:
             tracker.warnings.clear()
 
     def _on_step_end(self, module: nn.Module, args: tuple, output: object) -> None:
-        self.end_step()
-
-    def end_step(self) -> None:
         """The step is over: its deferred captures are copied and everything it staged goes to the publisher."""
         if self._staged:
             self._take_staged()
