@@ -56,8 +56,8 @@ from decoder import (  # noqa: E402
     oracle_bound,
     simulated_seconds,
 )
-from decoder._cost import PathChoice  # noqa: E402
-from decoder._loop import AUTO_K, FIXED_K  # noqa: E402
+from decoder.loop._decoder import AUTO_K, FIXED_K  # noqa: E402
+from decoder.schedule._cost import PathChoice  # noqa: E402
 from probebus._load import load_model  # noqa: E402
 
 
@@ -81,7 +81,7 @@ NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "MTP attn": 
          "DSpark": "dspark", "draft model": "draft-model", "layer skip": "layer-skip", "EAGLE-3 tree": "default"}
 ALL = ["plain", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3", "EAGLE-3 tree", "Medusa", "Medusa tree",
        "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several"]
-# A/B runs, named, never in 'all': the packed weights (LM head only, none), and n-gram trees (decoder/_ngram_tree.py)
+# A/B runs, named, never in 'all': the packed weights (LM head only, none), and n-gram trees (loop/_ngram_tree.py)
 AB = ["plain, inference mode",  # `generate` under the decoder's inference mode: what the mode alone is worth
       "n-gram, packed=head", "auto, packed=head", "n-gram, packed=none", "auto, packed=none", "n-gram tree",
       "n-gram scheduled", "auto, chains", "loop, no drafter",  # the loop's own plain steps, no drafting
@@ -96,7 +96,7 @@ def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr:
     if name in NAMED:
         d = drafter if name == "EAGLE-3 tree" else load_named_drafter(NAMED[name], model)
         return SpeculativeDecoder(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
-    if ", packed=" in name:  # A/B of the packed weights (decoder/_packed.py): the LM head only, or F.linear
+    if ", packed=" in name:  # A/B of the packed weights (decoder/target/_packed.py): the LM head only, or F.linear
         packed = name.split("=")[1]
         own = CostModel.for_target(model, refresh=True, packed=packed)
         d = NgramDrafter() if name.startswith("n-gram") else "auto"

@@ -9,28 +9,35 @@
 `decoder` imports `probe` (and `exporters` for training), never `probebus`.
 """
 
-from ._checkpoint import DrafterError, check_against_target, load_drafter, resolve_drafter_path, save_drafter
-from ._confidence import ConfidenceHead
-from ._confidence_train import train_confidence
-from ._cost import CostModel
-from ._draft_model import DraftModelDrafter, LayerSkipDrafter, early_exit_view
-from ._dspark import DSparkConfig, DSparkFeeder, DSparkHead, load_dspark, save_dspark
-from ._eagle import DraftCache, Eagle3Config, Eagle3Drafter, default_aux_layers
-from ._feeder import Drafts, EagleFeeder, Feeder
-from ._layer_skip import exit_acceptance, fit_layer_skip, load_layer_skip
-from ._loop import SpecOutput, SpecStats, SpeculativeDecoder
-from ._medusa import MedusaConfig, MedusaFeeder, MedusaHeads, load_medusa, save_medusa
-from ._mtp import MTPConfig, MTPFeeder, MTPHead, load_mtp, save_mtp
-from ._mtp_attn import MTPAttnDrafter, save_mtp_attn
-from ._named import NAMES as DRAFTER_NAMES
-from ._named import load_named_drafter, tree_nodes
-from ._ngram import NgramDrafter, NgramIndex
-from ._oracle import OracleResult, oracle_bound, simulated_seconds
-from ._plot import plot_stats
-from ._remote import RemoteEagle, serve_drafter
-from ._sched import DraftPlan, Scheduler
-from ._train import TrainConfig, heldout_acceptance, load_sequences, load_site_sequences, train_drafter, ttt_mask
-from ._train_heads import (
+from .drafters._checkpoint import DrafterError, check_against_target, load_drafter, resolve_drafter_path, save_drafter
+from .drafters._confidence import ConfidenceHead
+from .drafters._draft_model import DraftModelDrafter, LayerSkipDrafter, early_exit_view
+from .drafters._dspark import DSparkConfig, DSparkFeeder, DSparkHead, load_dspark, save_dspark
+from .drafters._eagle import DraftCache, Eagle3Config, Eagle3Drafter, default_aux_layers
+from .drafters._feeder import Drafts, EagleFeeder, Feeder
+from .drafters._layer_skip import exit_acceptance, fit_layer_skip, load_layer_skip
+from .drafters._medusa import MedusaConfig, MedusaFeeder, MedusaHeads, load_medusa, save_medusa
+from .drafters._mtp import MTPConfig, MTPFeeder, MTPHead, load_mtp, save_mtp
+from .drafters._mtp_attn import MTPAttnDrafter, save_mtp_attn
+from .drafters._named import NAMES as DRAFTER_NAMES
+from .drafters._named import load_named_drafter, tree_nodes
+from .drafters._ngram import NgramDrafter, NgramIndex
+from .drafters._remote import RemoteEagle, serve_drafter
+from .loop._decoder import SpecOutput, SpecStats, SpeculativeDecoder
+from .loop._oracle import OracleResult, oracle_bound, simulated_seconds
+from .loop._plot import plot_stats
+from .schedule._cost import CostModel
+from .schedule._sched import DraftPlan, Scheduler
+from .training._confidence_train import train_confidence
+from .training._train import (
+    TrainConfig,
+    heldout_acceptance,
+    load_sequences,
+    load_site_sequences,
+    train_drafter,
+    ttt_mask,
+)
+from .training._train_heads import (
     DSparkTrainConfig,
     HeadsTrainConfig,
     MTPTrainConfig,
@@ -42,7 +49,7 @@ from ._train_heads import (
     train_medusa,
     train_mtp,
 )
-from ._verify import accept, target_probs, verify_greedy, verify_greedy_rows, verify_rows, verify_sampling
+from .verify import accept, target_probs, verify_greedy, verify_greedy_rows, verify_rows, verify_sampling
 
 __all__ = [
     "accept", "check_against_target", "ConfidenceHead", "CostModel", "default_aux_layers", "DraftCache",

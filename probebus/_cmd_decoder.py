@@ -330,7 +330,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if not args.json:
                 print(_stats_line(args.drafter, stats), file=sys.stderr)
     if args.plot:
-        from decoder._plot import plot_stats
+        from decoder.loop._plot import plot_stats
 
         for path in plot_stats(all_stats, args.plot, title=f"--drafter {args.drafter}"):
             print(f"wrote {path}", file=sys.stderr)

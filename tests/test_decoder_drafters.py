@@ -12,7 +12,7 @@ import torch
 from models import PAD, build, left_padded
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import decoder._loop as loop
+import decoder.loop._decoder as loop
 import exporters
 import probe
 from decoder import (

@@ -15,8 +15,8 @@ from transformers import DynamicCache
 
 import probe
 from decoder import Eagle3Config, Eagle3Drafter, EagleFeeder
-from decoder._compat import cache_kw
-from decoder._feeder import feature_sites
+from decoder.drafters._feeder import feature_sites
+from decoder.target._compat import cache_kw
 
 K = 4
 

@@ -89,7 +89,7 @@ def _names_the_cache_cache() -> bool:
     """Whether the installed transformers' forwards take `cache=` (newer releases) rather than `past_key_values=`."""
     from transformers import LlamaForCausalLM
 
-    from decoder._compat import cache_kw
+    from decoder.target._compat import cache_kw
 
     return cache_kw(LlamaForCausalLM.forward) == "cache"
 
@@ -189,9 +189,9 @@ def test_probes_publish_during_the_decoders_own_calls_only() -> None:
 
 
 def test_packed_weights_serve_the_loops_forwards_and_step_aside_for_hooks(monkeypatch) -> None:  # noqa: ANN001
-    """`decoder/_packed.py`: the verify forward's linear layers, their weights packed once for oneDNN."""
-    import decoder._packed as packed_mod
-    from decoder._packed import PackedLinears
+    """`decoder/target/_packed.py`: the verify forward's linear layers, their weights packed once for oneDNN."""
+    import decoder.target._packed as packed_mod
+    from decoder.target._packed import PackedLinears
 
     torch.manual_seed(0)
     model = build("llama")
@@ -261,7 +261,7 @@ def test_every_forward_of_a_call_takes_the_packed_weights(monkeypatch) -> None: 
     """Greedy and sampled calls alike: the prefill and every one-token round go through `_packed.py` (a greedy
     call's plain rounds kept `F.linear` until their batch-8 rounds measured 0.92x `generate` for it), and
     `packed="none"` keeps `F.linear` everywhere."""
-    import decoder._packed as packed_mod
+    import decoder.target._packed as packed_mod
 
     if not packed_mod._ops_available():
         pytest.skip("this torch build has no oneDNN linear ops")
@@ -293,7 +293,7 @@ def test_a_transformers_release_that_names_the_cache_past_key_values() -> None:
     with probes, the cost curve): greedy output equal to plain `generate`."""
     from transformers import LlamaForCausalLM
 
-    from decoder._compat import cache_kw
+    from decoder.target._compat import cache_kw
 
     class OldCacheName(LlamaForCausalLM):
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,  # noqa: ANN001, ANN201
@@ -329,7 +329,7 @@ def test_calls_run_in_inference_mode_and_hand_back_tensors_autograd_can_use(tmp_
     caller gets back is an inference tensor: the output feeds a forward with gradients, and the drafter still
     trains after a call built its tables (its rope table, measuring its step for the cost curve, is one: an op
     outside the mode reads it into an ordinary tensor, so it is never saved for backward as it is)."""
-    from decoder._train import TrainConfig, ttt_loss
+    from decoder.training._train import TrainConfig, ttt_loss
 
     model = build("llama", layers=8)
     torch.manual_seed(3)

@@ -11,9 +11,9 @@ import torch
 from models import PAD, build, left_padded
 
 from decoder import CostModel, Eagle3Config, Eagle3Drafter, NgramDrafter, SpeculativeDecoder
-from decoder._ngram import NgramIndex
-from decoder._tree import Tree
-from decoder._tree_sample import verify_drawn_tree
+from decoder.drafters._ngram import NgramIndex
+from decoder.drafters._tree import Tree
+from decoder.drafters._tree_sample import verify_drawn_tree
 
 # suffixes that occurred before with several continuations: where an alternative can be right
 PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 11, 5, 6], [20, 21, 22, 20, 21, 23, 20, 21, 24, 25, 20, 21],
@@ -160,7 +160,7 @@ def test_sampled_ngram_trees_in_the_loop_follow_the_target_and_a_biased_rule_fai
     (t2, t3) follow the target's exact joint distribution; candidates tried one by one without a residual fail."""
     from test_decoder_drafters import _exact_pair, _p_value, _tiny
 
-    import decoder._tree_round as tree_round
+    import decoder.loop._tree_round as tree_round
 
     model = _tiny(0, layers=4)
     prompt = [1, 2, 3, 1, 2, 4, 5, 2, 6, 3, 7, 1, 4, 6, 2, 5, 7, 3, 5, 1, 6, 4, 7, 2]  # each token, several followers

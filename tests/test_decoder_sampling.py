@@ -147,7 +147,7 @@ def test_sample_draws_the_distribution() -> None:
     """`sample` (inverse CDF, what every draw of the decoder goes through) against the weights it is given:
     unnormalised weights, zero-weight tokens, one draw per row of a batch and n draws of one row; a draw that
     skips the interval arithmetic (a cumsum in the wrong order) fails the same test."""
-    from decoder._verify import sample
+    from decoder.verify import sample
 
     g = torch.Generator().manual_seed(21)
     w = _dist(8, slice(1, 7)) * 3.5  # tokens 0 and 7 weigh nothing; the weights sum to 3.5

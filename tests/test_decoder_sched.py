@@ -21,7 +21,7 @@ from decoder import (
     oracle_bound,
     simulated_seconds,
 )
-from decoder._cost import PathChoice
+from decoder.schedule._cost import PathChoice
 
 
 def test_cost_curve_is_measured_once_cached_and_refreshable(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
@@ -57,7 +57,7 @@ def test_a_first_curve_times_four_lengths_and_a_refresh_times_all(tmp_path: Path
     """A machine's first call must not pay for a whole curve (it cost 0.64 s of a 0.96 s first call): it times 1,
     2, the middle and k_max + 1 and interpolates; refresh=True (the benchmark, --refresh-cost) times every
     length."""
-    from decoder._cost import _interpolated, quick_lengths
+    from decoder.schedule._cost import _interpolated, quick_lengths
 
     monkeypatch.setenv("PROBEBUS_CACHE_DIR", str(tmp_path))
     assert quick_lengths(8) == [1, 2, 5, 9] and quick_lengths(0) == [1]
@@ -165,7 +165,7 @@ def test_calls_where_drafting_does_not_pay_run_as_plain_decoding(tmp_path: Path,
     assert not fixed.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD).stats.delegated
     # sampled too: top_k=1 makes the sample the argmax, so the output must still be greedy `generate`'s, EOS and
     # padding included
-    from decoder import _handover
+    from decoder.loop import _plain as _handover
 
     called = []
     skey = spec.path_key(2, 0.7)
@@ -271,7 +271,7 @@ def test_a_sampled_call_may_run_ngram_alone_with_the_probes_off(tmp_path: Path, 
 def test_asking_eagle_is_learnt_per_band_of_what_ngram_offers() -> None:
     """Consults that lose next to a likely n-gram copy back EAGLE-3 off there only: where n-gram has nothing,
     it is still asked every round. The band is the least any live row expects from its n-gram proposal."""
-    from decoder._sched import Scheduler
+    from decoder.schedule._sched import Scheduler
 
     assert Scheduler.context([[0.0], [0.0, 0.9, 1.7]], [3, 3]) == 0  # one row has nothing to copy
     assert Scheduler.context([[0.0], [0.0, 0.9, 1.7]], [-1, 3]) == 2  # ... but it has finished
@@ -299,7 +299,7 @@ def test_a_call_that_measures_itself_losing_hands_the_rest_over(where: str, tmp_
     output, EOS and streaming must equal greedy `generate` exactly: the continuation conditions on exactly the
     tokens so far, at any batch size (holes, padding and finished rows included). Greedy calls stay in the
     loop."""
-    from decoder import _handover
+    from decoder.loop import _plain as _handover
 
     monkeypatch.setattr(_handover, "LOOP_PLAIN", ("cpu",) if where == "loop" else ())
     monkeypatch.setenv("PROBEBUS_CACHE_DIR", str(tmp_path))
@@ -352,7 +352,7 @@ def test_a_call_that_measures_itself_losing_hands_the_rest_over(where: str, tmp_
     assert not greedy.stats.delegated and greedy.stats.handed_over == 0 and torch.equal(greedy.sequences, want)
     # batch > 1: rows at different lengths, masked holes in the cache and left padding go to `generate` as one
     # left-padded batch, and every row must come out as plain `generate` makes it; greedy stays in the loop
-    from decoder import _loop
+    from decoder.loop import _decoder as _loop
     holes: list[int] = []
     real = _loop.hand_over
 

@@ -131,7 +131,7 @@ def test_soft_targets_are_the_targets_distribution_and_bring_q_closer_to_p(tmp_p
     distribution over the draft vocabulary (checked against transformers' logits of the whole sequence), and a
     drafter trained on it matches p better than one trained on the recorded tokens for as many steps (the
     overlap sum min(p, q) is what a sampled draft's acceptance is)."""
-    from decoder._train import _draft_head, ttt_chain
+    from decoder.training._train import _draft_head, ttt_chain
 
     model = _target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"

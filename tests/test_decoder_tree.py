@@ -21,8 +21,8 @@ from decoder import (
     MTPAttnDrafter,
     SpeculativeDecoder,
 )
-from decoder._tree import Tree, tree_attention
-from decoder._tree_sample import grow_sampled, verify_drawn_tree
+from decoder.drafters._tree import Tree, tree_attention
+from decoder.drafters._tree_sample import grow_sampled, verify_drawn_tree
 
 PROMPTS = [[5, 17, 33, 9, 40, 41], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 8]]
 
@@ -165,7 +165,7 @@ def test_tree_sampling_in_the_loop_follows_the_target_and_a_biased_rule_fails(me
     KV cache all take part), and the rule without residual updates fails the same test."""
     from test_decoder_drafters import _exact_pair, _p_value, _tiny
 
-    import decoder._tree_round as tree_round
+    import decoder.loop._tree_round as tree_round
 
     model = _tiny(0, layers=4)
     torch.manual_seed(9)

@@ -22,9 +22,9 @@ import torch
 
 import probe
 
+from ..schedule._sched import DraftPlan
+from ..verify import sample
 from ._eagle import Eagle3Drafter
-from ._sched import DraftPlan
-from ._verify import sample
 
 
 @dataclass

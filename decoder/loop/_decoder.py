@@ -22,22 +22,22 @@ import time
 import torch
 from torch import nn
 
+from ..drafters._eagle import Eagle3Drafter
+from ..drafters._feeder import Drafts, Feeder, RoundDrafts
+from ..drafters._medusa import MedusaFeeder
+from ..drafters._ngram import NgramDrafter
+from ..schedule._cost import NGRAM_PATHS, PATHS, CostModel
+from ..schedule._sched import DraftPlan, RowFix, Scheduler
+from ..target._compat import cache_kw
+from ..target._packed import PackedLinears
+from ..verify import sample, target_probs, verify_greedy_rows, verify_rows
 from ._accounting import account
-from ._compat import cache_kw
-from ._cost import NGRAM_PATHS, PATHS, CostModel
-from ._eagle import Eagle3Drafter
-from ._feeder import Drafts, Feeder, RoundDrafts
-from ._handover import hand_over, loop_plain, losing, plain_call, plain_round
-from ._medusa import MedusaFeeder
-from ._ngram import NgramDrafter
 from ._ngram_tree import ngram_tree_round, widen
-from ._packed import PackedLinears
+from ._plain import hand_over, loop_plain, losing, plain_call, plain_round
 from ._probing import ProbeSwitch
-from ._sched import DraftPlan, RowFix, Scheduler
+from ._run import Run, SpecOutput, SpecStats, check_call, eos_list
 from ._slots import open_slots
-from ._state import Run, SpecOutput, SpecStats, check_call, eos_list
 from ._tree_round import supports_tree, tree_round
-from ._verify import sample, target_probs, verify_greedy_rows, verify_rows
 
 __all__ = ["RoundDrafts", "SpecOutput", "SpecStats", "SpeculativeDecoder"]
 
@@ -90,7 +90,7 @@ class SpeculativeDecoder(ProbeSwitch):
         self._packed = PackedLinears.of(target, packed)  # verify forwards' linear layers, packed once
         if drafter == "auto":
             if eagle is None:
-                from ._checkpoint import DrafterError, load_drafter
+                from ..drafters._checkpoint import DrafterError, load_drafter
 
                 with contextlib.suppress(DrafterError):
                     eagle = load_drafter("default", target)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ._state import Run
+    from ._run import Run
 
 
 class ProbeSwitch:

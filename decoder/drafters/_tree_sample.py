@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..verify import sample
 from ._tree import Tree, _rows
-from ._verify import sample
 
 # expand(tokens of the new frontier, index of each one's parent in the previous frontier, depth) -> q [F, V]
 Expand = Callable[[list[int], list[int], int], torch.Tensor]

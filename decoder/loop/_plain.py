@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._feeder import RoundDrafts
-from ._state import SpecOutput, SpecStats, check_call, eos_list, through_eos
+from ..drafters._feeder import RoundDrafts
+from ._run import SpecOutput, SpecStats, check_call, eos_list, through_eos
 
 # generation-config fields that never change the tokens: kept as the model sets them
 _GEN_KEEP = {"bos_token_id", "decoder_start_token_id", "transformers_version", "use_cache", "return_dict_in_generate"}
 
 if TYPE_CHECKING:
-    from ._loop import SpeculativeDecoder
-    from ._state import Run
+    from ._decoder import SpeculativeDecoder
+    from ._run import Run
 
 HAND_OVER_AFTER = 32  # decoded tokens before a call's own rate is judged (early rounds still calibrate)
 HAND_OVER_LOSS = 1.1  # seconds per token over a one-token forward (a plain step runs ~1.05x of one)

@@ -25,11 +25,11 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
+from ..schedule._sched import DraftPlan
+from ..target._compat import cache_kw
+from ..target._kv import GrowingCache
 from ._chain import draft_chain
-from ._compat import cache_kw
 from ._feeder import Drafts, Feed
-from ._kv import GrowingCache
-from ._sched import DraftPlan
 
 
 class DraftModelDrafter:

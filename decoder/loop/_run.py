@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._kv import GrowingCache
+from ..target._kv import GrowingCache
 
 
 @dataclass

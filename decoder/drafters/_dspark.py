@@ -28,11 +28,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..schedule._sched import DraftPlan
+from ..verify import sample
 from ._eagle import RMSNorm
 from ._feeder import Drafts, Feed
 from ._medusa import MedusaFeeder, ResBlock
-from ._sched import DraftPlan
-from ._verify import sample
 
 
 @dataclass

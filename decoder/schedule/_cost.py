@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ._compat import cache_kw
-from ._kv import GrowingCache
-from ._packed import PackedLinears
-from ._state import causal_block
+from ..loop._run import causal_block
+from ..target._compat import cache_kw
+from ..target._kv import GrowingCache
+from ..target._packed import PackedLinears
 
 
 def cache_dir() -> Path:

@@ -11,9 +11,9 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._feeder import RoundDrafts
-    from ._loop import SpeculativeDecoder
-    from ._state import Run
+    from ..drafters._feeder import RoundDrafts
+    from ._decoder import SpeculativeDecoder
+    from ._run import Run
 
 
 def account(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts, n_acc: list[int], kept: list[list[int]],

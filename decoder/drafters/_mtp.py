@@ -35,12 +35,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..schedule._sched import DraftPlan
 from ._chain import draft_chain
 from ._eagle import RMSNorm
 from ._feeder import Drafts, Feed
 from ._medusa import MedusaFeeder
 from ._mtp_attn import MTPAttnDrafter, load_mtp_attn
-from ._sched import DraftPlan
 
 
 @dataclass

@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from ._feeder import EagleFeeder
-from ._state import Run
-from ._tree import Tree, eagle_tree, keep_path, medusa_tree, tree_attention, verify_tree_greedy
-from ._tree_sample import eagle_tree_sampled, medusa_tree_sampled, verify_drawn_tree
-from ._verify import target_probs
+from ..drafters._feeder import EagleFeeder
+from ..drafters._tree import Tree, eagle_tree, keep_path, medusa_tree, tree_attention, verify_tree_greedy
+from ..drafters._tree_sample import eagle_tree_sampled, medusa_tree_sampled, verify_drawn_tree
+from ..verify import target_probs
+from ._run import Run
 
 
 def supports_tree(feeder: object) -> bool:

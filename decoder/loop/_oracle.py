@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..verify import sample, target_probs, verify_greedy_rows, verify_rows
 from ._probing import then_sync
-from ._state import SpecStats
-from ._verify import sample, target_probs, verify_greedy_rows, verify_rows
+from ._run import SpecStats
 
 
 @dataclass

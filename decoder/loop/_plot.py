@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ._state import SpecStats
+from ._run import SpecStats
 
 
 def plot_stats(stats: list[SpecStats], folder: str | Path, title: str = "") -> list[Path]:

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._confidence import MAX_STEPS, N_STATS, ConfidenceHead
-from ._eagle import Eagle3Drafter
+from ..drafters._confidence import MAX_STEPS, N_STATS, ConfidenceHead
+from ..drafters._eagle import Eagle3Drafter
 from ._train import load_sequences, ttt_chain, windows
 
 

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checkpoint import save_drafter
-from ._eagle import Eagle3Config, Eagle3Drafter
+from ..drafters._checkpoint import save_drafter
+from ..drafters._eagle import Eagle3Config, Eagle3Drafter
 
 
 @dataclass

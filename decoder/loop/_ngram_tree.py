@@ -32,15 +32,15 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..drafters._tree import Tree
+from ..schedule._sched import ALTERNATIVES
 from ._accounting import calibrate
-from ._sched import ALTERNATIVES
-from ._tree import Tree
 from ._tree_round import count_round, verify_tree
 
 if TYPE_CHECKING:
-    from ._feeder import RoundDrafts
-    from ._loop import SpeculativeDecoder
-    from ._state import Run
+    from ..drafters._feeder import RoundDrafts
+    from ._decoder import SpeculativeDecoder
+    from ._run import Run
 
 
 def widen(spec: SpeculativeDecoder, run: Run, drafts: RoundDrafts) -> tuple[Tree, list[int]] | None:

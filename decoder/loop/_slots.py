@@ -18,8 +18,8 @@ from torch import nn
 
 import probe
 
-from ._eagle import Eagle3Drafter
-from ._feeder import EagleFeeder, feature_sites
+from ..drafters._eagle import Eagle3Drafter
+from ..drafters._feeder import EagleFeeder, feature_sites
 
 
 @dataclass

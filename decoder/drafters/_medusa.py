@@ -31,9 +31,9 @@ from torch import nn
 
 import probe
 
+from ..schedule._sched import DraftPlan
+from ..verify import sample
 from ._feeder import Drafts, Feed, tree_positions
-from ._sched import DraftPlan
-from ._verify import sample
 
 
 @dataclass

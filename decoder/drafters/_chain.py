@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from ._sched import DraftPlan
-from ._verify import sample
+from ..schedule._sched import DraftPlan
+from ..verify import sample
 
 
 def draft_chain(logits: torch.Tensor, step: Callable[[torch.Tensor, int], torch.Tensor], k: int, temperature: float,
