@@ -46,18 +46,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _prompt_sets import SETS, load_sets  # noqa: E402
 
-from decoder import (  # noqa: E402
-    CostModel,
-    NgramDrafter,
-    RemoteEagle,
-    SpeculativeDecoder,
-    load_drafter,
-    load_named_drafter,
-    oracle_bound,
-    simulated_seconds,
-)
-from decoder.loop._decoder import AUTO_K, FIXED_K  # noqa: E402
-from decoder.schedule._cost import PathChoice  # noqa: E402
+from decoder import NgramDrafter, RemoteEagle, SpeculativeDecoder, load_drafter, load_named_drafter  # noqa: E402
+from decoder.loop import AUTO_K, FIXED_K, oracle_bound, simulated_seconds  # noqa: E402
+from decoder.schedule import CostModel, PathChoice  # noqa: E402
 from probebus._load import load_model  # noqa: E402
 
 
@@ -100,7 +91,7 @@ def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr:
         packed = name.split("=")[1]
         own = CostModel.for_target(model, refresh=True, packed=packed)
         d = NgramDrafter() if name.startswith("n-gram") else "auto"
-        spec = SpeculativeDecoder(model, d, eagle=None if name.startswith("n-gram") else drafter, k=k,
+        spec = SpeculativeDecoder(model, d, model_drafter=None if name.startswith("n-gram") else drafter, k=k,
                                   schedule="fixed" if name.startswith("n-gram") else "auto", cost=own,
                                   packed=packed)
         # Its own curve, measured now (a seeded call leaves the path choice alone): the shared curve of the
@@ -116,16 +107,16 @@ def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr:
     if name in ("n-gram tree", "n-gram scheduled"):  # n-gram alone, scheduled, with and without its trees
         return SpeculativeDecoder(model, NgramDrafter(), k=k, cost=cost, ngram_tree=12 if name == "n-gram tree" else 0)
     if name == "auto, chains":
-        return SpeculativeDecoder(model, "auto", eagle=drafter, k=k, cost=cost, ngram_tree=0)
+        return SpeculativeDecoder(model, "auto", model_drafter=drafter, k=k, cost=cost, ngram_tree=0)
     if name == "EAGLE-3":
         return SpeculativeDecoder(model, drafter, k=k, schedule="fixed", cost=cost)
     if name == "EAGLE-3 remote":
         return SpeculativeDecoder(model, RemoteEagle(remote_addr, timeout=120), k=k, schedule="fixed", cost=cost)
     if name == "auto":
-        return SpeculativeDecoder(model, "auto", eagle=drafter, k=k, cost=cost)
+        return SpeculativeDecoder(model, "auto", model_drafter=drafter, k=k, cost=cost)
     if name == "auto, several":  # the scheduler weighs EAGLE-3, MTP, clustered MTP, DSpark and n-gram per round
         several = [drafter] + [load_named_drafter(n, model) for n in ("mtp", "clustered", "dspark")]
-        return SpeculativeDecoder(model, "auto", eagle=several, k=k, cost=cost)
+        return SpeculativeDecoder(model, "auto", model_drafter=several, k=k, cost=cost)
     raise ValueError(name)
 
 
@@ -147,7 +138,7 @@ class Runner:
     def quiet(self) -> None:
         """Take this decoder's probes off the model (a baseline is timed next); its next call puts them back."""
         if self.spec is not None and self.spec.session is not None:
-            self.spec._capture(False)
+            self.spec.target.capture(False)
 
     def call(self, prompts: list[str], new_tokens: int, others: list[Runner]) -> None:
         enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.model.device)
@@ -214,7 +205,7 @@ _ASSISTANT = None
 
 
 def oracle(model, tok, prompts: list[str], batch: int, temp: float, args, drafter, cost) -> dict:  # noqa: ANN001
-    spec = SpeculativeDecoder(model, "auto", eagle=drafter, k=args.k, cost=cost)
+    spec = SpeculativeDecoder(model, "auto", model_drafter=drafter, k=args.k, cost=cost)
     o_sec = p_sec = auto_sec = 0.0
     tau_num = tau_den = 0.0
     try:

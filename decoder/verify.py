@@ -1,20 +1,40 @@
-"""Lossless verification of draft tokens.
+"""Every accept/reject rule of the decoder, and the sampling they draw with. Greedy keeps the target's argmax;
+sampling keeps the target's distribution exactly (no lossy acceptance knob exists here).
 
-    p = target_probs(logits, temperature=0.8, top_k=50, top_p=0.95)  # [..., V]
-    ok, repl = accept(p_at_x, q_or_None, x)                           # one draft position, batched
-    n, nxt = verify_rows(drafts, k_rows, p, q_draft, draft_ids, d2t_ids, sampled)  # what the loop runs
+    p = target_probs(logits, temperature=0.8, top_k=50, top_p=0.95)         # [..., V]
+    n_acc, nxt = verify_chain_greedy(drafts, k_rows, logits)                 # chains, per row
+    n_acc, nxt = verify_chain_sampled(drafts, k_rows, p, q, ids, d2t, sampled, gen)
+    path, nxt = verify_tree_greedy(tree, logits)                             # trees, batch 1
+    path, nxt = verify_tree_sampled(tree, p, gen)
 
-Greedy keeps the longest prefix equal to the target's argmax. Sampling uses the
-speculative-sampling rule, which leaves the output distribution exactly p:
-deterministic drafts (q is a point mass): accept x with probability p(x), else sample
-from p with x removed; sampled drafts: accept with min(1, p(x)/q(x)), else sample from
-max(p - q, 0) renormalised. No lossy acceptance knob exists here. Every draw goes through
-`sample` (inverse CDF), which draws what `torch.multinomial` draws, faster.
+Chains: row r offers its first k_rows[r] drafts. Greedy accepts the longest prefix equal to the target's argmax.
+Sampled chains use the speculative-sampling rule: a deterministic draft x (a point mass: n-gram, greedy
+drafters) is accepted with probability p(x), else the next token is drawn from p with x removed; a draft drawn
+from the drafter's q is accepted with min(1, p(x) / q(x)), else drawn from max(p - q, 0) renormalised.
+Trees: greedy follows the child equal to the target's argmax; sampled trees use SpecInfer's multi-draft rule
+(each node's draws from q accepted with min(1, r(x) / q(x)) on the running residual r). Every draw goes through
+`sample` (inverse CDF), which draws what `torch.multinomial` draws.
+
+The loop calls these through the module (`verify.verify_chain_sampled(...)`), so a test that swaps one rule for a
+biased one swaps it everywhere. The token-by-token reference rules the tests compare against live in
+tests/_reference_rules.py, outside the product.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class DraftTree(Protocol):
+    """What tree verification reads of a draft tree (`decoder.drafters.Tree`)."""
+
+    tokens: list[int]
+    parents: list[int]  # -1: a child of the root (the last committed token)
+    draws: dict[int, tuple[torch.Tensor, list[int]]]  # sampled trees: per parent (index + 1) its q and its draws
+
+    def children(self) -> list[list[int]]: ...
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
@@ -33,6 +53,7 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int | None = N
         drop = probs.cumsum(-1) - probs >= top_p
         x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return x.softmax(-1)
+
 
 
 def sample(p: torch.Tensor, generator: torch.Generator | None = None, n: int | None = None) -> torch.Tensor:
@@ -54,65 +75,26 @@ def sample(p: torch.Tensor, generator: torch.Generator | None = None, n: int | N
     return idx.squeeze(-1) if n is None else idx
 
 
-def accept(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One speculative step for N rows: (accepted [N] bool, replacement token [N]).
 
-    p: target distribution [N, V]; q: draft distribution [N, V] the draft x [N] was
-    sampled from, or None when x was chosen deterministically.
-    """
-    rows = torch.arange(x.shape[0], device=x.device)
-    px = p[rows, x]
-    u = torch.rand(x.shape, generator=generator, device=p.device)
-    if q is None:
-        ok = u < px
-        residual = p.clone()
-        residual[rows, x] = 0.0
-    else:
-        qx = q[rows, x]
-        ok = u * qx < px  # u < min(1, p/q) without dividing by a zero q
-        residual = (p - q).clamp_min(0.0)
-    mass = residual.sum(-1, keepdim=True)
-    # mass == 0 only when p == q (or p is the point mass on x): then x is always accepted anyway.
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
-    repl = sample(residual, generator)
-    return ok, repl
-
-
-def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """drafts [B, k], target_logits [B, k+1, V] -> (n accepted [B], next token [B])."""
-    best = target_logits.argmax(-1)  # [B, k+1]
-    match = (drafts == best[:, :-1]).int()
-    n = match.cumprod(-1).sum(-1)
-    return n, best.gather(1, n[:, None]).squeeze(1)
-
-
-def verify_sampling(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
-                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """drafts [B, k], p [B, k+1, V], q [B, k, V] or None -> (n accepted [B], next token [B])."""
-    b, k = drafts.shape
-    n = torch.full((b,), k, dtype=torch.long, device=drafts.device)
-    nxt = sample(p[:, k], generator)  # bonus if all are accepted
-    alive = torch.ones(b, dtype=torch.bool, device=drafts.device)
-    for i in range(k):
-        ok, repl = accept(p[:, i], None if q is None else q[:, i], drafts[:, i], generator)
-        stop = alive & ~ok
-        n = torch.where(stop, torch.full_like(n, i), n)
-        nxt = torch.where(stop, repl, nxt)
-        alive &= ok
-    return n, nxt
-
-
-def verify_greedy_rows(drafts: torch.Tensor, k_rows: torch.Tensor,
-                       target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy check when row r offered only its first k_rows[r] drafts (the rest is padding)."""
-    best = target_logits.argmax(-1)  # [B, L]
-    offered = torch.arange(drafts.shape[1], device=drafts.device)[None, :] < k_rows[:, None]
+def verify_chain_greedy(drafts: torch.Tensor, k_rows: list[int],
+                        logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """drafts [B, n] (row r offers its first k_rows[r]), logits [B, n + 1, V] -> (drafts accepted per row, next
+    token per row): the longest prefix equal to the target's argmax, then the argmax after it."""
+    if drafts.shape[0] == 1:  # one argmax and a list walk: a third of the tensor path's time at batch 1
+        best = logits[0].argmax(-1).tolist()
+        d, n = drafts[0, : max(k_rows[0], 0)].tolist(), 0
+        while n < len(d) and d[n] == best[n]:
+            n += 1
+        return [n], [best[n]]
+    best = logits.argmax(-1)  # [B, L]
+    drafts = drafts.to(logits.device)
+    offered = torch.arange(drafts.shape[1], device=drafts.device)[None, :] < \
+        torch.tensor(k_rows, device=drafts.device)[:, None]
     n = ((drafts == best[:, :-1]) & offered).int().cumprod(-1).sum(-1)
-    return n, best.gather(1, n[:, None]).squeeze(1)
+    return n.tolist(), best.gather(1, n[:, None]).squeeze(1).tolist()
 
 
-def verify_rows(drafts: torch.Tensor, k_rows: torch.Tensor, p: torch.Tensor, q_draft: torch.Tensor | None,
+def verify_chain_sampled(drafts: torch.Tensor, k_rows: torch.Tensor, p: torch.Tensor, q_draft: torch.Tensor | None,
                 draft_ids: torch.Tensor | None, d2t_ids: torch.Tensor | None, sampled: torch.Tensor,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampling rule for a batch whose rows drafted differently; (n accepted [B], next token [B]).
@@ -156,3 +138,49 @@ def verify_rows(drafts: torch.Tensor, k_rows: torch.Tensor, p: torch.Tensor, q_d
         # zero residual mass only when p == q (or p is the point mass on x): x was then accepted anyway
         pn = torch.where(rejected[:, None] & (mass > 0), res / mass.clamp_min(1e-30), pn)
     return n_acc, sample(pn, generator)
+
+
+def verify_tree_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """logits [n + 1, V] for [root, nodes] -> (accepted node indices root to leaf, next token)."""
+    best = logits.argmax(-1).tolist()
+    kids = tree.children()
+    path: list[int] = []
+    at = 0  # row in logits: 0 = root, i + 1 = node i
+    while True:
+        nxt = next((c for c in kids[at] if tree.tokens[c] == best[at]), None)
+        if nxt is None:
+            return path, best[at]
+        path.append(nxt)
+        at = nxt + 1
+
+
+
+def verify_tree_sampled(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
+    """p [n + 1, V] target distributions for [root, nodes] -> (accepted path, next token); exact in distribution.
+
+    A node without draws whose children are point masses (an n-gram tree's candidates, chosen without looking at
+    the target's draws) is verified by drawing x from its p and following x where it is a child: child c is taken
+    with probability p(c), and otherwise x is the next token, exactly as sampling token by token."""
+    child = {(par + 1, tok): i for i, (tok, par) in enumerate(zip(tree.tokens, tree.parents, strict=True))}
+    path: list[int] = []
+    at = 0  # row of p: 0 = the root, i + 1 = node i
+    while True:
+        r = p[at]
+        q, drawn = tree.draws.get(at, (None, []))
+        rejected: set[int] = set()
+        for x in drawn:
+            if x not in rejected:
+                u = float(torch.rand((), generator=generator, device=r.device))
+                if u * float(q[x]) < float(r[x]):  # accept with probability min(1, r(x) / q(x))
+                    break
+                rejected.add(x)
+            rest = (r - q).clamp_min(0)
+            mass = float(rest.sum())
+            if mass > 0:  # 0 only when r equals q up to rounding, where a rejection cannot happen
+                r = rest / mass
+        else:
+            x = int(sample(r, generator))
+            if drawn or (at, x) not in child:
+                return path, x
+        path.append(child[(at, x)])
+        at = path[-1] + 1

@@ -180,15 +180,8 @@ def load_target(args: argparse.Namespace, need_tokenizer: bool = True):  # noqa:
 def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: bool = False,
                  endpoint: str | None = None, refresh_cost: bool = False, tree: int | None = None):  # noqa: ANN201 - a SpeculativeDecoder
     """The decoder for a --drafter value; raises DrafterError for a bad drafter."""
-    from decoder import (
-        CostModel,
-        DrafterError,
-        NgramDrafter,
-        SpeculativeDecoder,
-        load_drafter,
-        load_named_drafter,
-        tree_nodes,
-    )
+    from decoder import DrafterError, NgramDrafter, SpeculativeDecoder, load_drafter, load_named_drafter, tree_nodes
+    from decoder.schedule import CostModel
 
     schedule = "fixed" if fixed else "auto"
     if drafter == "none":
@@ -217,7 +210,7 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
         if fixed or tree:
             return SpeculativeDecoder(model, eagle, k=k, schedule=schedule, endpoint=endpoint, cost=cost,
                                       tree=tree or 0)
-        return SpeculativeDecoder(model, "auto", eagle=eagle, k=k, endpoint=endpoint, cost=cost)
+        return SpeculativeDecoder(model, "auto", model_drafter=eagle, k=k, endpoint=endpoint, cost=cost)
     if drafter.startswith(REMOTE):
         return SpeculativeDecoder(model, _remote(drafter), k=k, schedule=schedule, endpoint=endpoint, cost=cost,
                                   tree=0)
@@ -340,7 +333,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _stats_line(drafter: str, stats: dict) -> str:
     """One line per batch; acceptance by draft position only where some round drafted."""
     line = (f"[{drafter}] {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, "
-            f"{stats['tokens_per_forward']:.2f} tokens/forward, rounds: {stats['eagle_rounds']} "
+            f"{stats['tokens_per_forward']:.2f} tokens/forward, rounds: {stats['model_rounds']} "
             f"{'+'.join(stats['by_drafter']) or 'model drafter'}, {stats['ngram_rounds']} n-gram, "
             f"{stats['tree_rounds']} tree, {stats['plain_rounds']} plain")
     if not stats["drafted"]:
@@ -421,11 +414,11 @@ def _report(args: argparse.Namespace, metrics: dict, method: str) -> None:
 
 def _train_other(args: argparse.Namespace, model: torch.nn.Module, rec) -> int:  # noqa: ANN001
     """--method medusa | mtp | clustered | dspark | layer-skip."""
-    from decoder import (
+    from decoder.drafters import fit_layer_skip
+    from decoder.training import (
         DSparkTrainConfig,
         HeadsTrainConfig,
         MTPTrainConfig,
-        fit_layer_skip,
         load_site_sequences,
         train_dspark,
         train_medusa,

@@ -79,7 +79,7 @@ def test_generate_json_with_the_default_drafter_matches_no_drafter(capsys: pytes
         outs["fixed"]["token_ids"]
     assert outs["default"]["text"] and outs["none"]["stats"]["tau"] == 1.0
     fixed = outs["fixed"]["stats"]
-    assert fixed["eagle_rounds"] == fixed["rounds"] > 0 and 0 < fixed["drafted"] <= 5 * fixed["rounds"]
+    assert fixed["model_rounds"] == fixed["rounds"] > 0 and 0 < fixed["drafted"] <= 5 * fixed["rounds"]
     assert fixed["accepted"] > 0 and fixed["tau"] > 1.0  # the shipped head's drafts are right on this prompt
     code, err = _main(capsys, "generate", "--model", "default", "--drafter", "/nonexistent", "--prompt", "x")
     assert code == 2 and "not a name" in err and "nor a folder" in err

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decoder import DrafterError, Eagle3Config, Eagle3Drafter, load_drafter, save_drafter
+from decoder import DrafterError, load_drafter
+from decoder.drafters import Eagle3Config, Eagle3Drafter, save_drafter
 
 
 def _target(layers: int = 8, hidden: int = 64, vocab: int = 128) -> LlamaForCausalLM:

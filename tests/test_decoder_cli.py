@@ -72,7 +72,7 @@ def test_plot_and_endpoint(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     cap = capsys.readouterr()
     assert f"probe session: {endpoint}" in cap.err
     row = json.loads(cap.out.strip().splitlines()[-1])
-    assert len(row["token_ids"]) == 16 and row["stats"]["eagle_rounds"] > 0
+    assert len(row["token_ids"]) == 16 and row["stats"]["model_rounds"] > 0
     for name in ("acceptance_by_position.png", "acceptance_by_round.png"):
         png = tmp_path / "plots" / name
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -43,7 +43,7 @@ def test_greedy_equals_generate_on_cuda(batch: int) -> None:
         want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                               eos_token_id=None, pad_token_id=PAD)
     for name, drafter in _drafters(model).items():
-        kw = {"eagle": _drafters(model)["eagle"].cuda()} if drafter == "auto" else {}
+        kw = {"model_drafter": _drafters(model)["eagle"].cuda()} if drafter == "auto" else {}
         drafter = drafter.cuda() if isinstance(drafter, torch.nn.Module) else drafter
         with SpeculativeDecoder(model, drafter, k=4, schedule="auto" if name == "auto" else "fixed", **kw) as spec:
             out = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
@@ -57,7 +57,7 @@ def test_sampling_on_cuda_is_reproducible_with_a_seed() -> None:
     ids, mask = (t.cuda() for t in left_padded(PROMPTS))
     outs = []
     for _ in range(2):
-        with SpeculativeDecoder(model, "auto", eagle=_drafters(model)["eagle"].cuda(), k=3) as spec:
+        with SpeculativeDecoder(model, "auto", model_drafter=_drafters(model)["eagle"].cuda(), k=3) as spec:
             outs.append(spec.generate(ids, mask, max_new_tokens=12, temperature=0.8, top_p=0.9, seed=7,
                                       pad_token_id=PAD).sequences)
     assert torch.equal(outs[0], outs[1]) and outs[0].shape == (3, ids.shape[1] + 12)

@@ -28,7 +28,7 @@ def test_greedy_equals_generate_on_the_default_model(target, batch: int) -> None
     drafter = load_drafter(resolve_drafter("default"), model)
     for name, spec in (("eagle", SpeculativeDecoder(model, drafter, k=5, schedule="fixed")),
                        ("eagle scheduled", SpeculativeDecoder(model, drafter, k=5)),
-                       ("auto", SpeculativeDecoder(model, "auto", eagle=drafter, k=5)),
+                       ("auto", SpeculativeDecoder(model, "auto", model_drafter=drafter, k=5)),
                        ("ngram", SpeculativeDecoder(model, NgramDrafter(), k=5))):
         with spec:
             out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=40,

@@ -12,18 +12,17 @@ import torch
 from models import PAD, build, left_padded
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import decoder.loop._decoder as loop
+import decoder.verify as verify_module
 import exporters
 import probe
-from decoder import (
-    DrafterError,
+from decoder import DrafterError, NgramDrafter, SpeculativeDecoder, load_named_drafter
+from decoder.drafters import (
     DraftModelDrafter,
     DSparkConfig,
     DSparkFeeder,
     DSparkHead,
     Eagle3Config,
     Eagle3Drafter,
-    HeadsTrainConfig,
     LayerSkipDrafter,
     MedusaConfig,
     MedusaFeeder,
@@ -32,16 +31,12 @@ from decoder import (
     MTPConfig,
     MTPFeeder,
     MTPHead,
-    NgramDrafter,
-    SpeculativeDecoder,
     fit_layer_skip,
-    kmeans_clusters,
     load_medusa,
-    load_named_drafter,
     save_medusa,
-    train_medusa,
-    verify_rows,
 )
+from decoder.training import HeadsTrainConfig, kmeans_clusters, train_medusa
+from decoder.verify import verify_chain_sampled as verify_rows
 
 PROMPTS = [[5, 17, 33, 9, 40, 41], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 8]]
 
@@ -177,7 +172,7 @@ def test_sampling_follows_the_target_and_a_biased_rule_fails(method: str, monkey
     counts, stats = _sample_pairs(model, drafter, prompt, seed=1)
     assert 0 < stats.accepted < stats.drafted, "the test must see drafts both accepted and rejected"
     assert _p_value(counts, exact) > 1e-3
-    monkeypatch.setattr(loop, "verify_rows", _biased_verify_rows)
+    monkeypatch.setattr(verify_module, "verify_chain_sampled", _biased_verify_rows)
     biased, _ = _sample_pairs(model, drafter, prompt, seed=1)
     assert _p_value(biased, exact) < 1e-6, "the chi-square test has no power against a biased rule"
 
@@ -269,7 +264,7 @@ def test_layer_skip_verification_starts_where_the_draft_left_off() -> None:
 
 @pytest.mark.parametrize("method", ["mtp", "mtp-attn", "clustered", "dspark"])
 def test_mtp_clustered_and_dspark_train_from_a_recording_and_load(tmp_path: Path, method: str) -> None:
-    from decoder import DSparkTrainConfig, MTPTrainConfig, train_dspark, train_mtp
+    from decoder.training import DSparkTrainConfig, MTPTrainConfig, train_dspark, train_mtp
 
     model = build("llama", layers=3)
     gen = torch.Generator().manual_seed(0)
@@ -307,7 +302,7 @@ def test_clustered_head_scores_one_cluster_and_its_q_is_a_distribution() -> None
 
 
 def _flat(batch: int, k: int) -> object:
-    from decoder import CostModel
+    from decoder.schedule import CostModel
 
     curve = [1e-3] * (k + 1)  # verifying more tokens is free: drafting always pays (deterministic scheduling)
     return CostModel("t", {str(batch): {"verify": curve, "verify_capturing": curve, "step": 1e-5}}, adapt=False)
@@ -323,7 +318,7 @@ def test_several_model_drafters_one_scheduler(batch: int) -> None:
                           eos_token_id=None, pad_token_id=PAD)
     drafters = [_heads(model, 4, 0.3)["mtp"], DraftModelDrafter(model, name="perfect"),
                 _heads(model, 4, 0.3)["medusa"]]
-    with SpeculativeDecoder(model, "auto", eagle=drafters, k=4, cost=_flat(batch, 4)) as spec:
+    with SpeculativeDecoder(model, "auto", model_drafter=drafters, k=4, cost=_flat(batch, 4)) as spec:
         assert spec.endpoint is not None  # one probe session serves the feature-fed drafters
         for seed in (None, 0):  # unseeded: what it learns is kept; seeded: a call of its own (never handed over)
             out = spec.generate(ids, mask, max_new_tokens=80, pad_token_id=PAD, seed=seed)
@@ -357,5 +352,5 @@ def test_several_model_drafters_sample_the_target_distribution(monkeypatch) -> N
     counts, used = pairs(300)  # as many draws as the biased rule's control below (1300, then 600 before)
     assert len(used) == 3 and min(used.values()) > 100, used  # every drafter drafted many rounds
     assert _p_value(counts, exact) > 1e-3
-    monkeypatch.setattr(loop, "verify_rows", _biased_verify_rows)
+    monkeypatch.setattr(verify_module, "verify_chain_sampled", _biased_verify_rows)
     assert _p_value(pairs(300)[0], exact) < 1e-6  # (p = 1e-10 at 300 draws with EAGLE-3's peaked head)

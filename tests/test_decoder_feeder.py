@@ -14,7 +14,7 @@ from models import build
 from transformers import DynamicCache
 
 import probe
-from decoder import Eagle3Config, Eagle3Drafter, EagleFeeder
+from decoder.drafters import Eagle3Config, Eagle3Drafter, EagleFeeder
 from decoder.drafters._feeder import feature_sites
 from decoder.target._compat import cache_kw
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 from models import PAD, build, left_padded
 
-from decoder import CostModel, Eagle3Config, Eagle3Drafter, NgramDrafter, SpeculativeDecoder
+from decoder import NgramDrafter, SpeculativeDecoder
+from decoder.drafters import Eagle3Config, Eagle3Drafter
+from decoder.schedule import CostModel
 
 PROMPTS = [[5, 17, 33, 9, 40, 41], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 8]]
 
@@ -48,7 +50,7 @@ def test_greedy_equals_generate(family: str, batch: int) -> None:
         want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                               eos_token_id=None, pad_token_id=PAD)
     for name, drafter in _drafters(model).items():
-        kw = {"eagle": _drafters(model)["eagle"]} if drafter == "auto" else {}
+        kw = {"model_drafter": _drafters(model)["eagle"]} if drafter == "auto" else {}
         schedule = "auto" if drafter == "auto" else "fixed"
         with SpeculativeDecoder(model, drafter, k=4, schedule=schedule, **kw) as spec:
             out = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
@@ -79,7 +81,7 @@ def test_sampling_runs_and_is_reproducible_with_a_seed() -> None:
     ids, mask = left_padded(PROMPTS)
     outs = []
     for _ in range(2):
-        with SpeculativeDecoder(model, "auto", eagle=_drafters(model)["eagle"], k=3) as spec:
+        with SpeculativeDecoder(model, "auto", model_drafter=_drafters(model)["eagle"], k=3) as spec:
             outs.append(spec.generate(ids, mask, max_new_tokens=12, temperature=0.8, top_p=0.9, seed=7,
                                       pad_token_id=PAD).sequences)
     assert torch.equal(outs[0], outs[1]) and outs[0].shape == (3, ids.shape[1] + 12)
@@ -110,12 +112,12 @@ def test_scheduler_greedy_equals_generate_and_follows_costs(batch: int) -> None:
                               eos_token_id=None, pad_token_id=PAD)
     eagle = _drafters(model)["eagle"]
     # verifying more tokens is free: drafting pays, rounds take several tokens (random weights loop)
-    with SpeculativeDecoder(model, "auto", eagle=eagle, k=4, cost=_flat_cost(batch, 4, 0.0)) as spec:
+    with SpeculativeDecoder(model, "auto", model_drafter=eagle, k=4, cost=_flat_cost(batch, 4, 0.0)) as spec:
         cheap = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
     assert_same_or_near_tie(model, cheap.sequences, want, mask)
     assert cheap.stats.target_forwards < 24 and cheap.stats.drafted > 0
     # verifying one more token costs twice a whole step: nothing is worth drafting, every round is plain
-    with SpeculativeDecoder(model, "auto", eagle=eagle, k=4, cost=_flat_cost(batch, 4, 2.0)) as spec:
+    with SpeculativeDecoder(model, "auto", model_drafter=eagle, k=4, cost=_flat_cost(batch, 4, 2.0)) as spec:
         dear = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
     assert_same_or_near_tie(model, dear.sequences, want, mask)
     assert dear.stats.plain_rounds == dear.stats.rounds == 23 and dear.stats.drafted == 0
@@ -132,7 +134,7 @@ def test_bf16_target_with_every_drafter_dtype(drafter_dtype: torch.dtype) -> Non
                               eos_token_id=None, pad_token_id=PAD)
     torch.manual_seed(3)
     eagle = Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model).to(drafter_dtype)
-    for drafter, kw in ((eagle, {"schedule": "fixed"}), ("auto", {"eagle": eagle}), (NgramDrafter(), {})):
+    for drafter, kw in ((eagle, {"schedule": "fixed"}), ("auto", {"model_drafter": eagle}), (NgramDrafter(), {})):
         with SpeculativeDecoder(model, drafter, k=4, **kw) as spec:
             out = spec.generate(ids, mask, max_new_tokens=16, pad_token_id=PAD)
             sampled = spec.generate(ids, mask, max_new_tokens=16, pad_token_id=PAD, temperature=0.8, seed=1)
@@ -338,7 +340,7 @@ def test_calls_run_in_inference_mode_and_hand_back_tensors_autograd_can_use(tmp_
     modes: list[bool] = []
     hook = model.register_forward_pre_hook(lambda m, a: modes.append(torch.is_inference_mode_enabled()))
     ids = torch.tensor([[5, 17, 33, 9, 40, 41, 5, 17, 33]])
-    with SpeculativeDecoder(model, "auto", eagle=eagle, k=3) as spec:
+    with SpeculativeDecoder(model, "auto", model_drafter=eagle, k=3) as spec:
         spec.cost.paths.pick = lambda key, paths=None: "spec"
         out = spec.generate(ids, max_new_tokens=16, pad_token_id=PAD)
     hook.remove()

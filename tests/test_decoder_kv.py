@@ -73,7 +73,7 @@ def test_growing_cache_writes_in_place_within_its_capacity_and_grows_beyond() ->
 
 
 def test_generate_continues_a_growing_cache_as_it_does_its_own() -> None:
-    """The loop hands the rest of a call to `generate` with its cache (`_handover.py`)."""
+    """The loop hands the rest of a call to `generate` with its cache (`decoder/loop/_plain.py`)."""
     model = build("qwen2")
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)

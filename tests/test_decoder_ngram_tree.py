@@ -10,10 +10,12 @@ import pytest
 import torch
 from models import PAD, build, left_padded
 
-from decoder import CostModel, Eagle3Config, Eagle3Drafter, NgramDrafter, SpeculativeDecoder
+from decoder import NgramDrafter, SpeculativeDecoder
+from decoder.drafters import Eagle3Config, Eagle3Drafter
 from decoder.drafters._ngram import NgramIndex
 from decoder.drafters._tree import Tree
-from decoder.drafters._tree_sample import verify_drawn_tree
+from decoder.schedule import CostModel
+from decoder.verify import verify_tree_sampled as verify_drawn_tree
 
 # suffixes that occurred before with several continuations: where an alternative can be right
 PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 11, 5, 6], [20, 21, 22, 20, 21, 23, 20, 21, 24, 25, 20, 21],
@@ -86,7 +88,7 @@ def test_auto_trees_with_eagle_keep_greedy_output_exact() -> None:
     """With EAGLE-3 consulted, its drafts and the n-gram proposal ride in the same tree as each other's branch."""
     model = build("llama", layers=8)
     eagle = Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model)
-    with SpeculativeDecoder(model, "auto", eagle=eagle, k=4, cost=_cost(0.0)) as spec:
+    with SpeculativeDecoder(model, "auto", model_drafter=eagle, k=4, cost=_cost(0.0)) as spec:
         trees = 0
         for prompt in PROMPTS:
             ids, mask = left_padded([prompt])
@@ -96,7 +98,7 @@ def test_auto_trees_with_eagle_keep_greedy_output_exact() -> None:
             out = spec.generate(ids, mask, max_new_tokens=32, pad_token_id=PAD)
             assert torch.equal(out.sequences, want)
             trees += out.stats.tree_rounds
-            assert out.stats.eagle_rounds + out.stats.ngram_rounds <= out.stats.rounds
+            assert out.stats.model_rounds + out.stats.ngram_rounds <= out.stats.rounds
         assert trees > 0
 
 
@@ -160,7 +162,7 @@ def test_sampled_ngram_trees_in_the_loop_follow_the_target_and_a_biased_rule_fai
     (t2, t3) follow the target's exact joint distribution; candidates tried one by one without a residual fail."""
     from test_decoder_drafters import _exact_pair, _p_value, _tiny
 
-    import decoder.loop._tree_round as tree_round
+    import decoder.verify as verify_module
 
     model = _tiny(0, layers=4)
     prompt = [1, 2, 3, 1, 2, 4, 5, 2, 6, 3, 7, 1, 4, 6, 2, 5, 7, 3, 5, 1, 6, 4, 7, 2]  # each token, several followers
@@ -178,6 +180,6 @@ def test_sampled_ngram_trees_in_the_loop_follow_the_target_and_a_biased_rule_fai
     counts, trees = pairs(900)  # as many as the control needs to fail: the same power against the real rule
     assert trees >= 450  # tree rounds: at least one for every two calls
     assert _p_value(counts, exact) > 1e-3
-    monkeypatch.setattr(tree_round, "verify_drawn_tree", _biased_point)
+    monkeypatch.setattr(verify_module, "verify_tree_sampled", _biased_point)
     biased, _ = pairs(900)
     assert _p_value(biased, exact) < 1e-6  # 7.8e-10 at 900 calls; 5.6e-6 at 700

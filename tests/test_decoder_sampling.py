@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _reference_rules import accept, verify_sampling
 
-from decoder import accept, target_probs, verify_sampling
+from decoder.verify import target_probs
 
 V = 8
 N = 200_000
@@ -110,7 +111,7 @@ def test_compact_draft_vocabulary_rule_preserves_p() -> None:
     """verify_rows as the loop runs it: EAGLE rows sample in a reduced draft vocabulary (draft id j is target id
     d2t[j]) and only the stop position's residual is built; n-gram rows are point masses. The first emitted
     token follows p exactly for both kinds of row, and building the residual without the d2t mapping fails."""
-    from decoder import verify_rows
+    from decoder.verify import verify_chain_sampled as verify_rows
 
     V_, draft = 8, torch.tensor([1, 2, 4, 6, 7])  # 5-token draft vocabulary, target ids
     p0, p1, p2 = _dist(30), _dist(31), _dist(32)

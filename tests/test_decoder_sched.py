@@ -11,16 +11,10 @@ import pytest
 import torch
 from models import EOS, PAD, build, left_padded
 
-from decoder import (
-    CostModel,
-    DraftPlan,
-    Eagle3Config,
-    Eagle3Drafter,
-    NgramDrafter,
-    SpeculativeDecoder,
-    oracle_bound,
-    simulated_seconds,
-)
+from decoder import NgramDrafter, SpeculativeDecoder
+from decoder.drafters import Eagle3Config, Eagle3Drafter
+from decoder.loop import oracle_bound, simulated_seconds
+from decoder.schedule import CostModel, DraftPlan
 from decoder.schedule._cost import PathChoice
 
 
@@ -126,11 +120,11 @@ def test_oracle_bound_on_a_looping_model(monkeypatch: pytest.MonkeyPatch) -> Non
     torch.manual_seed(3)
     eagle = Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model)
     flat = CostModel("test", {"2": {"verify": [1e-3] * 5, "verify_capturing": [1e-3] * 5, "step": 1e-5}}, adapt=False)
-    with SpeculativeDecoder(model, "auto", eagle=eagle, k=4, cost=flat) as spec:
+    with SpeculativeDecoder(model, "auto", model_drafter=eagle, k=4, cost=flat) as spec:
         res = oracle_bound(spec, ids, mask, max_new_tokens=24)
         out = spec.generate(ids, mask, max_new_tokens=24, pad_token_id=PAD)
-        prefill = spec._prefill
-        monkeypatch.setattr(spec, "_prefill", lambda run: (time.sleep(0.3), prefill(run))[1])
+        prefill = spec.prefill
+        monkeypatch.setattr(spec, "prefill", lambda run: (time.sleep(0.3), prefill(run))[1])
         busy = oracle_bound(spec, ids, mask, max_new_tokens=24)
     assert res.tokens == busy.tokens == 48 and res.tau == busy.tau > 1.5
     assert res.decode_speedup == pytest.approx(busy.decode_speedup) and res.decode_speedup > 1.2
@@ -250,7 +244,7 @@ def test_a_sampled_call_may_run_ngram_alone_with_the_probes_off(tmp_path: Path, 
     torch.manual_seed(0)
     eagle = Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model)
     flat = CostModel("test", {"1": {"verify": [1e-3] * 5, "verify_capturing": [1e-3] * 5, "step": 1e-5}}, adapt=False)
-    with SpeculativeDecoder(model, "auto", eagle=eagle, k=3, cost=flat) as spec:
+    with SpeculativeDecoder(model, "auto", model_drafter=eagle, k=3, cost=flat) as spec:
         assert spec._paths(1, 0.7) == ("spec", "ngram", "plain")
         assert spec._paths(1, 0.0) == spec._paths(8, 0.7) == ("spec", "plain")
         skey = spec.path_key(1, 0.7)
@@ -260,7 +254,7 @@ def test_a_sampled_call_may_run_ngram_alone_with_the_probes_off(tmp_path: Path, 
         out = spec.generate(ids, max_new_tokens=24, temperature=0.7, top_k=1, pad_token_id=PAD)
         st = out.stats
         assert st.path == "ngram" and not st.delegated and torch.equal(out.sequences, want)
-        assert st.eagle_rounds == 0 and not st.by_drafter and st.ngram_rounds > 0 and st.accepted > 0
+        assert st.model_rounds == 0 and not st.by_drafter and st.ngram_rounds > 0 and st.accepted > 0
         assert spec.session.stats.captured == before  # the probes stayed off
         assert len(spec.cost.paths.spt[skey]["ngram"]) == 2  # the call was measured on its own path
         greedy = spec.generate(ids, max_new_tokens=24, pad_token_id=PAD)
@@ -281,13 +275,13 @@ def test_asking_eagle_is_learnt_per_band_of_what_ngram_offers() -> None:
     consults = rounds = 0
     while consults < 3:
         rounds += 1
-        if sc.consult_eagle(strong):
+        if sc.consult_model(strong):
             sc.consulted(-1.0, strong)  # asking cost more than it gained
             consults += 1
-    assert rounds == 1 + 2 + 4 and sc.backoff[strong] == 8 and not sc.consult_eagle(strong)
-    assert all(sc.consult_eagle(none) for _ in range(5))
+    assert rounds == 1 + 2 + 4 and sc.backoff[strong] == 8 and not sc.consult_model(strong)
+    assert all(sc.consult_model(none) for _ in range(5))
     sc.consulted(+0.5, none)
-    assert sc.rest == 0 and sc.consult_eagle(none)
+    assert sc.rest == 0 and sc.consult_model(none)
     sc.new_call()  # a new call asks again at most one backoff period later, in every band
     assert sc.wait[strong] <= sc.backoff[strong] - 1 and sc.wait[none] == 0
 
@@ -356,10 +350,10 @@ def test_a_call_that_measures_itself_losing_hands_the_rest_over(where: str, tmp_
     holes: list[int] = []
     real = _loop.hand_over
 
-    def watched(s: SpeculativeDecoder, run) -> None:  # noqa: ANN001
+    def watched(run, target) -> None:  # noqa: ANN001
         pad = [run.input_ids.shape[1] - n for n in run.lens]
         holes.append(max(run.cols - last - p for last, p in zip(run.last, pad, strict=True)))
-        real(s, run)
+        real(run, target)
 
     monkeypatch.setattr(_loop, "hand_over", watched)
     monkeypatch.setattr(_handover, "HAND_OVER_AFTER", 12)  # rows have drafted long enough to differ by then

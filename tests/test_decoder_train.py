@@ -10,7 +10,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from decoder import ConfidenceHead, load_drafter, load_sequences, train_confidence
+from decoder import load_drafter
+from decoder.drafters import ConfidenceHead
+from decoder.training import load_sequences, train_confidence
 from probebus.cli import main
 from probebus.models import DEFAULT_MODEL_DIR
 
@@ -140,7 +142,7 @@ def test_soft_targets_are_the_targets_distribution_and_bring_q_closer_to_p(tmp_p
     sites = "layers.2.resid_pre,layers.4.resid_pre,layers.5.resid_pre,final_norm"
     assert main(["record", "--model", target, "--prompts", str(prompts), "--sites", sites, "--out",
                  str(tmp_path / "rec"), "--max-new-tokens", "24", "--batch-size", "6"]) == 0
-    from decoder import load_site_sequences
+    from decoder.training import load_site_sequences
 
     seqs = load_site_sequences(tmp_path / "rec", sites.split(","))
     toks, feats = seqs[0]

@@ -11,18 +11,12 @@ import pytest
 import torch
 from models import PAD, build, left_padded
 
-from decoder import (
-    CostModel,
-    Eagle3Config,
-    Eagle3Drafter,
-    MedusaConfig,
-    MedusaFeeder,
-    MedusaHeads,
-    MTPAttnDrafter,
-    SpeculativeDecoder,
-)
+from decoder import SpeculativeDecoder
+from decoder.drafters import Eagle3Config, Eagle3Drafter, MedusaConfig, MedusaFeeder, MedusaHeads, MTPAttnDrafter
 from decoder.drafters._tree import Tree, tree_attention
-from decoder.drafters._tree_sample import grow_sampled, verify_drawn_tree
+from decoder.drafters._tree_sample import grow_sampled
+from decoder.schedule import CostModel
+from decoder.verify import verify_tree_sampled as verify_drawn_tree
 
 PROMPTS = [[5, 17, 33, 9, 40, 41], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 8]]
 
@@ -165,7 +159,7 @@ def test_tree_sampling_in_the_loop_follows_the_target_and_a_biased_rule_fails(me
     KV cache all take part), and the rule without residual updates fails the same test."""
     from test_decoder_drafters import _exact_pair, _p_value, _tiny
 
-    import decoder.loop._tree_round as tree_round
+    import decoder.verify as verify_module
 
     model = _tiny(0, layers=4)
     torch.manual_seed(9)
@@ -194,7 +188,7 @@ def test_tree_sampling_in_the_loop_follows_the_target_and_a_biased_rule_fails(me
     counts, trees, drafted = pairs(CALLS[method])
     assert trees >= CALLS[method] and drafted > trees  # several nodes per tree
     assert _p_value(counts, exact) > 1e-3
-    monkeypatch.setattr(tree_round, "verify_drawn_tree", _biased_drawn)
+    monkeypatch.setattr(verify_module, "verify_tree_sampled", _biased_drawn)
     biased, _, _ = pairs(CONTROL_CALLS[method])
     assert _p_value(biased, exact) < 1e-6
 

@@ -66,7 +66,7 @@ def test_old_spelling_default_still_names_the_eagle3_head(capsys: pytest.Capture
     code, out, err = _gen(["--prompt", "import os\n", "--max-new-tokens", "12", "--no-stream", "--drafter",
                            "default", "--json"], capsys)
     assert code == 0, err
-    assert '"eagle_rounds": 0' not in out and "drafting with n-gram" not in err
+    assert '"model_rounds": 0' not in out and "drafting with n-gram" not in err
 
 
 def test_unknown_drafter_lists_every_choice(capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,7 +107,7 @@ def test_served_drafter_by_address(tmp_path: Path, capsys: pytest.CaptureFixture
     import json
 
     row = json.loads(out.strip().splitlines()[-1])
-    assert row["stats"]["eagle_rounds"] > 0  # the served head drafted
+    assert row["stats"]["model_rounds"] > 0  # the served head drafted
     code, plain, _ = _gen(["--prompt", "def parse(argv):\n", "--max-new-tokens", "16", "--no-stream", "--json",
                            "--drafter", "none"], capsys)
     assert json.loads(plain.strip().splitlines()[-1])["token_ids"] == row["token_ids"]

@@ -28,7 +28,8 @@ import torch
 
 import exporters
 import probe
-from decoder import load_drafter, train_confidence
+from decoder import load_drafter
+from decoder.training import train_confidence
 from probebus._code_prompts import code_prompts
 from probebus._load import load_model
 

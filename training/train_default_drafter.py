@@ -33,7 +33,8 @@ import torch
 
 import exporters
 import probe
-from decoder import Eagle3Config, SpeculativeDecoder, TrainConfig, load_drafter, train_drafter
+from decoder import SpeculativeDecoder, TrainConfig, load_drafter, train_drafter
+from decoder.drafters import Eagle3Config
 from probebus._code_prompts import code_prompts
 from probebus._load import load_model
 from probebus.models import DEFAULT_MODEL_DIR

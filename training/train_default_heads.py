@@ -25,16 +25,8 @@ import torch
 
 import exporters
 import probe
-from decoder import (
-    DSparkTrainConfig,
-    HeadsTrainConfig,
-    MTPTrainConfig,
-    SpeculativeDecoder,
-    load_named_drafter,
-    train_dspark,
-    train_medusa,
-    train_mtp,
-)
+from decoder import SpeculativeDecoder, load_named_drafter
+from decoder.training import DSparkTrainConfig, HeadsTrainConfig, MTPTrainConfig, train_dspark, train_medusa, train_mtp
 from probebus._code_prompts import code_prompts
 from probebus._load import load_model
 from probebus.models import DEFAULT_MODEL_DIR

@@ -46,22 +46,6 @@ class Drafts:
         return cls(z, z, torch.zeros(batch, 0), None, bus_s, 0.0)
 
 
-@dataclass
-class RoundDrafts:
-    """What one round verifies: drafts [B, L-1] (row r offers k_rows[r]) and what the scheduler knew."""
-
-    tokens: torch.Tensor
-    k_rows: list[int]
-    methods: list[str]
-    ids: torch.Tensor | None = None  # draft-vocabulary ids (EAGLE-3 rows)
-    q: torch.Tensor | None = None  # [B, L-1, draft_vocab] for rows that sampled from the drafter
-    sampled: list[bool] | None = None
-    eagle: Drafts | None = None  # everything EAGLE-3 proposed this round (for calibration)
-    props: list[list[int]] | None = None  # n-gram proposals, match lengths, overlaps
-    match: list[int] | None = None
-    overlap: list[float] | None = None
-
-
 Feed = tuple  # (step, start [B], end [B]) or, after a tree round, (step, start, end, (base, real positions))
 
 

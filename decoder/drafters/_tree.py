@@ -176,20 +176,6 @@ def tree_attention(prefix: torch.Tensor, tree: Tree, dtype: torch.dtype) -> torc
     return mask[None, None].to(prefix.device)
 
 
-def verify_tree_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """logits [n + 1, V] for [root, nodes] -> (accepted node indices root to leaf, next token)."""
-    best = logits.argmax(-1).tolist()
-    kids = tree.children()
-    path: list[int] = []
-    at = 0  # row in logits: 0 = root, i + 1 = node i
-    while True:
-        nxt = next((c for c in kids[at] if tree.tokens[c] == best[at]), None)
-        if nxt is None:
-            return path, best[at]
-        path.append(nxt)
-        at = nxt + 1
-
-
 def keep_path(cache: DynamicCache, cols: int, path: list[int]) -> None:
     """Keep the prefix, the root and the accepted nodes' K/V (batch 1); drop every other tree column."""
     idx = torch.tensor([*range(cols + 1), *(cols + 1 + i for i in path)])

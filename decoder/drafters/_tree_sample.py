@@ -109,34 +109,3 @@ def medusa_tree_sampled(feeder, depth: int, top_k: int, temperature: float, veri
     depth = min(depth, q.shape[0])
     return grow_sampled(q[0], lambda tokens, rows, d: q[d].expand(len(tokens), -1), depth, top_k, verify_cost,
                         generator)
-
-
-def verify_drawn_tree(tree: Tree, p: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
-    """p [n + 1, V] target distributions for [root, nodes] -> (accepted path, next token); exact in distribution.
-
-    A node without draws whose children are point masses (an n-gram tree's candidates, chosen without looking at
-    the target's draws) is verified by drawing x from its p and following x where it is a child: child c is taken
-    with probability p(c), and otherwise x is the next token, exactly as sampling token by token."""
-    child = {(par + 1, tok): i for i, (tok, par) in enumerate(zip(tree.tokens, tree.parents, strict=True))}
-    path: list[int] = []
-    at = 0  # row of p: 0 = the root, i + 1 = node i
-    while True:
-        r = p[at]
-        q, drawn = tree.draws.get(at, (None, []))
-        rejected: set[int] = set()
-        for x in drawn:
-            if x not in rejected:
-                u = float(torch.rand((), generator=generator, device=r.device))
-                if u * float(q[x]) < float(r[x]):  # accept with probability min(1, r(x) / q(x))
-                    break
-                rejected.add(x)
-            rest = (r - q).clamp_min(0)
-            mass = float(rest.sum())
-            if mass > 0:  # 0 only when r equals q up to rounding, where a rejection cannot happen
-                r = rest / mass
-        else:
-            x = int(sample(r, generator))
-            if drawn or (at, x) not in child:
-                return path, x
-        path.append(child[(at, x)])
-        at = path[-1] + 1

@@ -1,31 +1,23 @@
-"""Handing a call, or the rest of a losing one, to plain decoding: the target's own `generate`, or on CPU the
+"""Plain decoding for a whole call, or for the rest of a losing one: the target's own `generate`, or on CPU the
 loop's own plain rounds (`loop_plain`, measured faster there).
 
-    out = plain_call(spec, input_ids, ...)  # the whole call (the path choice measured drafting not to pay)
-    if auto and losing(spec, run, t_decode):
-        hand_over(spec, run)  # the remaining tokens come from target.generate on the loop's KV cache; exact
-    plain_round(spec, run)    # or, where loop_plain(...), one plain step of the loop itself per call
+    out = plain_call(target, input_ids, ...)   # the whole call (the path choice measured drafting not to pay)
+    if auto and losing(run, t_decode, cost):
+        hand_over(run, target)                 # the remaining tokens from target.generate on the loop's KV cache
+    plain_round(run, target)                   # or, where loop_plain(...), one plain step of the loop itself
 
-Whole calls go to `generate` when drafting measured not to pay (`PathChoice`), but that choice is learned
-from earlier calls: the first calls, and each re-measurement of the speculative path, ran every round of a
-call that lost (drafting at T = 0.8 runs 0.6-0.8x of plain here). A call can see for itself that it loses:
-once it has decoded HAND_OVER_AFTER tokens, its seconds per token are compared with a one-token forward of
-the target. Above HAND_OVER_LOSS times that, the rest of the call continues in `generate` from the cache
-the loop already filled (no second prefill), so a losing call costs what its first tokens lost, not all.
+Whole calls go to plain decoding when drafting measured not to pay (`PathChoice`), but that choice is learned
+from earlier calls: the first calls, and each re-measurement of the speculative path, ran every round of a call
+that lost. A call can see for itself that it loses: once it has decoded HAND_OVER_AFTER tokens, its seconds per
+token are compared with a one-token forward of the target. Above HAND_OVER_LOSS times that, the rest of the call
+continues as plain decoding from the cache the loop already filled (no second prefill), so a losing call costs
+what its first tokens lost, not all.
 
-Sampled calls only. A greedy call's pace picks up once its output starts repeating what n-gram lookup can
-copy. Measured on third-party code at batch 1 with a stricter rule (5 % behind recent plain calls), 16 of
-48 greedy calls went over and the set ran 1.24x against 1.30x without; of the three the rule here would
-also have handed over, two finished faster kept (0.48 s kept, 0.86 s handed over, 0.72 s plain). At
-T = 0.8 acceptance stays low through a call, and the hand-over measured +1.4 to +2.0 points there.
-
-Any batch size. Rows stand at different lengths there, with masked holes in the cache; to `generate` that is
-a left-padded batch (see `hand_over`), and progress is the slowest live row's. Measured at batch 8 on the
-2-core VM (a call that runs speculative from its start, as the path choice's first and re-measuring calls do,
-per call interleaved with plain `generate`, 3 x 3 calls of 8 prompts): third-party code at T = 0.8 ran 0.862x
--> 0.943x. Greedy calls at batch 8 moved within noise (stdlib 0.843 -> 0.881x, third-party 0.834 -> 0.865x,
-prose 0.882 -> 0.838x, per-call medians unchanged), so greedy stays excluded at every batch size. Sampling
-stays exact: the tokens so far are the target's samples, and `generate` samples the rest from the target.
+Sampled calls only: a greedy call's pace picks up once its output starts repeating what n-gram lookup can copy,
+and handing greedy calls over lost more than it won. Any batch size: rows stand at different lengths there, with
+masked holes in the cache; to `generate` that is a left-padded batch (see `hand_over`), and progress is the
+slowest live row's. Sampling stays exact: the tokens so far are the target's samples, and `generate` samples the
+rest from the target. (Measured: docs/design.md, "The loop: measurements behind the code".)
 """
 
 from __future__ import annotations
@@ -35,27 +27,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..drafters._feeder import RoundDrafts
-from ._run import SpecOutput, SpecStats, check_call, eos_list, through_eos
+from ._chain_round import RoundDrafts, verify_round
+from ._run import Run, check_call, eos_list, through_eos
+from ._stats import SpecOutput, SpecStats
+
+if TYPE_CHECKING:
+    from ..schedule._cost import CostModel
+    from ._target import Target
 
 # generation-config fields that never change the tokens: kept as the model sets them
 _GEN_KEEP = {"bos_token_id", "decoder_start_token_id", "transformers_version", "use_cache", "return_dict_in_generate"}
-
-if TYPE_CHECKING:
-    from ._decoder import SpeculativeDecoder
-    from ._run import Run
-
 HAND_OVER_AFTER = 32  # decoded tokens before a call's own rate is judged (early rounds still calibrate)
 HAND_OVER_LOSS = 1.1  # seconds per token over a one-token forward (a plain step runs ~1.05x of one)
 MIN_LEFT = 16  # tokens worth handing over: fewer do not repay `generate`'s start
 # Devices on which a call's plain part (a whole call the path choice gave to plain decoding, or the rest of a
-# sampled one that measured itself losing) runs as the loop's own plain rounds, probes off, instead of `generate`.
-# On the 2-core CPU VM the loop's plain round outran `generate`'s step once the loop sampled by inverse CDF and
-# `generate` by torch.multinomial (`_verify.sample`), per forward, 24 stdlib prompts, T = 0.8, 96 tokens:
-# batch 1 6.53 ms against 6.64 (0.37 ms outside the forward against 0.63), batch 8 10.42 against 11.73
-# (0.75 against 2.03). Greedy calls joined once their one-token forwards took the packed weights too
-# (`_packed.py`): the loop with nothing drafted ran 1.09-1.12x `generate` at batch 1 and 1.03-1.06x at batch 8,
-# against 1.00-1.01x and 0.92-0.93x before (3 sets x 24 prompts, 96 tokens, 2 repeats, 2026-12-04). Every
+# sampled one that measured itself losing) runs as the loop's own plain rounds, probes off, instead of
+# `generate`: on the CPU the loop's plain round measured faster than `generate`'s step, greedy and sampled. Every
 # other device keeps `generate`: not measured there, and no weights are packed there.
 LOOP_PLAIN = ("cpu",)
 
@@ -65,7 +52,7 @@ def loop_plain(device: torch.device) -> bool:
     return device.type in LOOP_PLAIN
 
 
-def losing(spec: SpeculativeDecoder, run: Run, t_decode: float) -> bool:
+def losing(run: Run, t_decode: float, cost: CostModel) -> bool:
     """Whether this sampled call decodes measurably slower than plain steps of its batch would.
 
     Progress is the least any live row has decoded: a batch finishes with its slowest row, so plain steps
@@ -73,26 +60,25 @@ def losing(spec: SpeculativeDecoder, run: Run, t_decode: float) -> bool:
     if run.mode != "sample":
         return False
     live = [e - 1 for e, a in zip(run.emitted, run.active(), strict=True) if a]  # decoded after the prefill's
-    if not live or min(live) < HAND_OVER_AFTER or spec._cost is None:
+    if not live or min(live) < HAND_OVER_AFTER:
         return False
     if run.max_new - 1 - min(live) < MIN_LEFT:
         return False
-    return (time.perf_counter() - t_decode) / min(live) > HAND_OVER_LOSS * spec.cost.verify(run.b, 1)
+    return (time.perf_counter() - t_decode) / min(live) > HAND_OVER_LOSS * cost.verify(run.b, 1)
 
 
-def plain_round(spec: SpeculativeDecoder, run: Run) -> None:
+def plain_round(run: Run, target: Target) -> None:
     """One plain step of every live row, probes off and no drafter asked: a call that the path choice gave to
     plain decoding, or the rest of a sampled one that measured itself losing (`loop_plain`)."""
     t0 = time.perf_counter()
-    spec._capture(False)
-    drafts = RoundDrafts(run.no_drafts, [0] * run.b, ["none"] * run.b)
+    target.capture(False)
+    drafts = RoundDrafts.plain(run)
     inp, positions, mask = run.inputs(drafts.tokens)
-    with spec._context("verify", run, positions), spec.packed_weights():
-        logits = spec.target(inp, attention_mask=mask, position_ids=positions,
-                             **{spec.cache_kw: run.cache}, use_cache=True).logits
-    n_acc, nxt = spec._accept(run, drafts, logits)
-    n = sum(len(t) for t in spec._commit(run, drafts, n_acc, nxt))
+    logits = target.forward(run, inp, positions, mask)
+    n_acc, nxt = verify_round(run, drafts, logits, None)
+    n = sum(len(t) for t in run.keep(n_acc, nxt, drafts.tokens, None))
     st, dt = run.stats, time.perf_counter() - t0
+    st.target_forwards += 1
     st.emitted += n
     st.row_rounds += n
     st.plain_rounds += 1
@@ -122,7 +108,7 @@ class _AfterPrompt:
         pass
 
 
-def hand_over(spec: SpeculativeDecoder, run: Run) -> None:
+def hand_over(run: Run, target: Target) -> None:
     """Decode the rest of every live row with `target.generate`, continuing the loop's cache; record it in `run`.
 
     The cache holds `run.cols` columns, holes and left padding masked, and every row's next token (known, not
@@ -130,8 +116,8 @@ def hand_over(spec: SpeculativeDecoder, run: Run) -> None:
     come from the mask's running count, as the loop's do. Rows that are done leave the batch first."""
     t0 = time.perf_counter()
     st = run.stats
-    if spec.session is not None:
-        spec._capture(False)  # no hooks on the target's own loop
+    if target.session is not None:
+        target.capture(False)  # no hooks on the target's own loop
     rows = [r for r, a in enumerate(run.active()) if a]
     ids = torch.zeros(len(rows), run.cols + 1, dtype=torch.long)  # cached columns: their ids are not read again
     ids[:, -1] = torch.tensor([int(run.toks[r, run.last[r]]) for r in rows])
@@ -140,8 +126,8 @@ def hand_over(spec: SpeculativeDecoder, run: Run) -> None:
         run.cache.batch_select_indices(torch.tensor(rows, device=run.device))
     left = [run.max_new - run.emitted[r] for r in rows]
     eos = sorted(run.eos)
-    kw = gen_kwargs(spec.target, max(left), run.temperature, run.top_k, run.top_p, eos, eos[0] if eos else None)
-    out = spec.target.generate(ids.to(run.device), attention_mask=mask, **{spec.cache_kw: run.cache}, **kw,
+    kw = gen_kwargs(target.model, max(left), run.temperature, run.top_k, run.top_p, eos, eos[0] if eos else None)
+    out = target.model.generate(ids.to(run.device), attention_mask=mask, **{target.cache_kw: run.cache}, **kw,
                                streamer=_AfterPrompt(run.streamer) if run.streamer is not None else None)
     new = out[:, run.cols + 1:].tolist()
     steps = len(new[0]) if new else 0
@@ -160,19 +146,19 @@ def hand_over(spec: SpeculativeDecoder, run: Run) -> None:
     st.handover_s += time.perf_counter() - t0
 
 
-def plain_call(spec: SpeculativeDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+def plain_call(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
                eos: int | list[int] | None, pad: int | None, streamer: object) -> SpecOutput:
     """The call as the target's own `generate`, probes off: the same output (greedy) or distribution."""
     check_call(input_ids, max_new_tokens, streamer)
-    if spec.session is not None:
-        spec._capture(False)  # no hooks on the target's own loop; the next speculative call puts them back
+    if target.session is not None:
+        target.capture(False)  # no hooks on the target's own loop; the next speculative call puts them back
     t0 = time.perf_counter()
     eos_ids = eos_list(eos)
-    kw = gen_kwargs(spec.target, max_new_tokens, temperature, top_k, top_p, eos_ids, pad)
-    device = next(spec.target.parameters()).device
+    kw = gen_kwargs(target.model, max_new_tokens, temperature, top_k, top_p, eos_ids, pad)
+    device = target.device
     mask = attention_mask.to(device) if attention_mask is not None else torch.ones_like(input_ids, device=device)
-    seq = spec.target.generate(input_ids.to(device), attention_mask=mask, streamer=streamer, **kw).cpu()
+    seq = target.model.generate(input_ids.to(device), attention_mask=mask, streamer=streamer, **kw).cpu()
     b, new = input_ids.shape[0], seq.shape[1] - input_ids.shape[1]
     emitted = sum(len(through_eos(row, eos_ids)) for row in seq[:, input_ids.shape[1]:].tolist())
     stats = SpecStats(batch=b, rounds=new, target_forwards=new, emitted=emitted, row_rounds=emitted,
@@ -187,7 +173,7 @@ def gen_kwargs(target: torch.nn.Module, max_new_tokens: int, temperature: float,
 
     Keywords, not a GenerationConfig: given a config, `generate` fills each unset field from the model's
     own config, so "no EOS" can only be an empty list, which still adds a stopping check and a padding
-    step to every token (2 % of a T = 0.8 call on the default model, in a same-run A/B). With keywords
+    step to every token (measured: docs/design.md, "The loop: measurements behind the code"). With keywords
     the model's config is the base, so every field it sets that would change the tokens (a top-k, an
     EOS, a repetition penalty, a minimum length) is unset here, and this call's values go on top."""
     base = target.generation_config.to_diff_dict()

@@ -1,8 +1,9 @@
-"""Bookkeeping of one speculative `generate` call: rows, the target's mask and cache, statistics.
+"""The state of one speculative `generate` call, declared in one place: its options, its rows (tokens by
+position, the target's mask with holes, the KV cache), the scheduler state it uses, the drafters' unread feeds.
 
-    run = Run(input_ids, mask, max_new_tokens=64, k=5, eos=[2], device=dev)
-    inp, positions, mask = run.inputs(drafts)          # [last, d1..dn] per row
-    kept = run.commit(n_acc, nxt, drafts)              # per-row tokens, holes for rejected slots, cache crop
+    run = Run(input_ids, mask, max_new_tokens=64, k=5, eos=[2], device=dev, scheds=[Scheduler(5)])
+    inp, positions, mask = run.inputs(drafts)              # [last, d1..dn] per row
+    kept = run.keep(n_acc, nxt, drafts, feed_step)         # commit, feed the drafters, index, stream
 
 Rows accept independently: rejected slots stay in the shared target KV cache as masked-out
 holes and every row carries explicit positions, so no row waits for another.
@@ -10,83 +11,17 @@ holes and every row carries explicit positions, so no row waits for another.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..schedule._sched import RowFix, Scheduler
 from ..target._kv import GrowingCache
+from ..target._mask import causal_block
+from ._stats import SpecStats
 
-
-@dataclass
-class SpecStats:
-    batch: int = 1
-    rounds: int = 0
-    target_forwards: int = 0
-    emitted: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # per draft position: rows that accepted it
-    offered_at: list[int] = field(default_factory=list)
-    row_rounds: int = 0  # (row, round) pairs of active rows
-    drafted_row_rounds: int = 0  # ... that offered at least one draft
-    eagle_rounds: int = 0  # row-rounds drafted by the model drafter (EAGLE-3 or any other; by_drafter says which)
-    ngram_rounds: int = 0  # row-rounds drafted by n-gram
-    plain_rounds: int = 0  # rounds with nothing drafted (a plain step)
-    tree_rounds: int = 0  # rounds that verified a draft tree (batch 1 with tree=N)
-    by_drafter: dict[str, int] = field(default_factory=dict)  # rounds each model drafter was consulted
-    path: str = "spec"  # what `PathChoice` gave the call: "spec" (every drafter), "ngram" (n-gram alone), "plain"
-    delegated: bool = False  # the call ran as plain decoding (drafting measured not to pay): the target's own
-    # `generate`, or on CPU the loop's own plain rounds (`_handover.LOOP_PLAIN`)
-    handed_over: int = 0  # tokens plain decoding (as for `delegated`) made after the call measured itself losing
-    handover_steps: int = 0  # ... in this many plain steps (one per token of the longest row)
-    seconds: float = 0.0
-    draft_s: float = 0.0  # the rounds' drafting (scheduling included)
-    verify_s: float = 0.0  # the rounds' target forwards, acceptance and bookkeeping (a delegated call: all of it)
-    prefill_s: float = 0.0  # the prompt's forward
-    handover_s: float = 0.0  # plain decoding after the call handed its rest over
-    bus_s: float = 0.0
-    # per round: verify length, active rows, drafts offered, drafts accepted, EAGLE-3 drafts made
-    history: list[tuple[int, int, int, int, int]] = field(default_factory=list)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens emitted per verification round and row, bonus token included (plain steps count 1)."""
-        return (self.accepted + self.row_rounds) / max(self.row_rounds, 1)
-
-    @property
-    def tau_drafted(self) -> float:
-        """Like tau, over the row-rounds that drafted."""
-        return (self.accepted + self.drafted_row_rounds) / max(self.drafted_row_rounds, 1)
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """New tokens per row per target forward (prefill included)."""
-        return self.emitted / max(self.target_forwards * self.batch, 1)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.emitted / max(self.seconds, 1e-9)
-
-    @property
-    def acceptance(self) -> list[float]:
-        """Per draft position: the share of rows that offered it and had it accepted."""
-        return [a / o if o else 0.0 for a, o in zip(self.accepted_at, self.offered_at, strict=True)]
-
-    def as_dict(self) -> dict:
-        keys = ("batch", "path", "rounds", "target_forwards", "emitted", "drafted", "accepted", "eagle_rounds",
-                "ngram_rounds", "plain_rounds", "tree_rounds", "seconds", "draft_s", "verify_s", "prefill_s",
-                "handover_s", "bus_s")
-        d = {k: getattr(self, k) for k in keys}
-        d.update(tau=self.tau, tau_drafted=self.tau_drafted, tokens_per_forward=self.tokens_per_forward,
-                 tokens_per_s=self.tokens_per_s, acceptance=self.acceptance, by_drafter=dict(self.by_drafter))
-        return d
-
-
-@dataclass
-class SpecOutput:
-    sequences: torch.Tensor
-    stats: SpecStats
+if TYPE_CHECKING:
+    from ..drafters._ngram import NgramIndex
 
 
 def through_eos(tokens: list[int], eos: set[int] | list[int]) -> list[int]:
@@ -109,26 +44,38 @@ def eos_list(eos: int | list[int] | None) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-@functools.lru_cache(maxsize=64)
-def _triangle(length: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.full((length, length), torch.finfo(dtype).min, dtype=dtype).triu(1)
-
-
-def causal_block(cols: int, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [1, 1, length, cols + length] of one row's forward over `length` new tokens after `cols`
-    cached ones: every cached column open, the new ones causal."""
-    mask = torch.zeros(1, 1, length, cols + length, dtype=dtype)
-    mask[0, 0, :, cols:] = _triangle(length, dtype)
-    return mask
-
-
 class Run:
-    """Per-call state. Per-row scalars live in Python lists (a round touches each a few times)."""
+    """Per-call state. Per-row scalars live in Python lists (a round touches each a few times).
+
+    scheds: one scheduler state per model drafter (at least one), the decoder's own or, in a seeded call, fresh
+    ones (a seeded call depends on nothing learned in earlier calls)."""
 
     def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, max_new_tokens: int, k: int,
-                 eos: list[int], device: torch.device, dtype: torch.dtype = torch.float32) -> None:
-        self.setup_s = 0.0  # seconds the call spent measuring the cost curve (the first call per machine)
+                 eos: list[int], device: torch.device, scheds: list[Scheduler], dtype: torch.dtype = torch.float32,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, streamer: object = None, drafting: bool = True,
+                 model_drafters: bool = True) -> None:
+        # the call's options
+        self.temperature, self.top_k, self.top_p, self.streamer = temperature, top_k, top_p, streamer
+        self.mode = "sample" if temperature > 0 else "greedy"
+        self.seeded = seed is not None  # a seeded schedule depends on nothing timed or learned in earlier calls
+        self.gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        # the call's path
+        self.drafting = drafting  # False: plain rounds only (no cost curve, drafter buffers or n-gram index)
+        self.model_drafters = drafting and model_drafters  # False: no model drafter is asked, the probes stay off
+        self.handed = False  # the rest of a call that measured itself losing runs as plain rounds
+        self.setup_s = 0.0  # seconds spent measuring costs and packing weights (once per model: not drafting's)
+        # scheduling: one state per model drafter (slot); `cur` is the one this round consults
+        self.scheds = scheds
+        self.cur = 0
         b, p_len = input_ids.shape
+        self.fixes = [RowFix(b) for _ in scheds]
+        self.ngram_fix = RowFix(b)
+        self.tried: set[int] = set()  # slots consulted in this call (a seeded call's own record)
+        self.feeds_by: list[list[tuple]] = [[] for _ in scheds]  # forwards each model drafter has not read yet
+        self.ngram: list[NgramIndex] | None = None  # per row, when n-gram lookup drafts
+        self.seq_ids: list[int] | None = None  # the probe session's sequence ids of the rows
+        # the rows
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         self.b, self.device, self.max_new, self.eos = b, device, max_new_tokens, set(eos)
         self.input_ids = input_ids
@@ -141,24 +88,18 @@ class Run:
         self.mask = torch.zeros(b, p_len + 4 * (k + 1) + max_new_tokens, dtype=torch.long, device=device)
         self.mask[:, :p_len] = mask.to(device)
         self.cols = p_len
-        # One row, no padding: its mask stays all ones (a batch-1 round leaves no holes), so the target's forwards
-        # go without one: transformers then builds its causal mask alone, bit for bit the same logits, 0.17-0.21 ms
-        # less of a 5.4-6.1 ms verify forward of 2-6 tokens (default target, 2-core VM, median of 100 interleaved,
-        # 3 trials; 0.01-0.05 ms at 1 token). On the CPU a forward of several tokens gets the additive 4-D mask
-        # itself (`causal_block`): transformers' boolean one is turned into that by every layer's attention,
-        # 0.13-0.17 ms more of a 5.9-6.2 ms forward of 2-6 tokens (median of 150 interleaved), same logits.
+        # One row without padding: no mask at all (its mask stays all ones: a batch-1 round leaves no holes), and
+        # a CPU forward of several tokens gets the additive mask built once (`causal_block`). Both give the same
+        # logits, cheaper (measured: docs/design.md, "The loop: measurements behind the code").
         self.dense = b == 1 and bool(mask.all())
         self.block_dtype = dtype if self.dense and torch.device(device).type == "cpu" else None
         self.prompt_mask = mask.to(device)
         self.last = list(self.lens)  # position of the token that goes in next (its id is known)
         self.emitted = [0] * b
         self.done = [False] * b
-        self.cache = GrowingCache(capacity=self.mask.shape[1] + 64)  # a tree's nodes fit too (`_kv.py`)
+        self.n_eff = [0] * b  # drafts each row accepted in the last round (-1: the row had finished)
+        self.cache = GrowingCache(capacity=self.mask.shape[1] + 64)  # a tree's nodes fit too (`target/_kv.py`)
         self.stats = SpecStats(batch=b, accepted_at=[0] * k, offered_at=[0] * k)
-        self.feeds: list[tuple] = []  # forwards the current model drafter has not read yet (feeds_by[cur])
-        self.feeds_by: list[list[tuple]] = [self.feeds]  # per model drafter (slot)
-        self.cur = 0
-        self.ngram: list | None = None
         self._tokens_ema = self._seconds_ema = 0.0
         self.no_drafts = torch.zeros(b, 0, dtype=torch.long)
         self.row_rounds = [1] * b  # rounds each row took part in (the prefill counts one)
@@ -170,9 +111,18 @@ class Run:
 
     def take_feeds(self) -> list[tuple]:
         """The current drafter's unread forwards; its list starts over."""
-        feeds = self.feeds_by[self.cur]
-        self.feeds_by[self.cur] = self.feeds = []
+        feeds, self.feeds_by[self.cur] = self.feeds_by[self.cur], []
         return feeds
+
+    @property
+    def sched(self) -> Scheduler:
+        """The current model drafter's scheduler state (every slot's shares the n-gram calibration)."""
+        return self.scheds[self.cur]
+
+    @property
+    def model_fix(self) -> RowFix:
+        """The current model drafter's per-row correction of its acceptance estimates."""
+        return self.fixes[self.cur]
 
     def draft_seed(self) -> int:
         """A seed for the drafter's draws of this round, from the call's generator (on the target's device: a
@@ -231,7 +181,7 @@ class Run:
         (`causal_block`). `self.mask` is kept either way (trees and hand-overs read it)."""
         b, n = drafts.shape
         length = n + 1
-        if b == 1:  # slices instead of index tensors: a third of this method's time at batch 1
+        if b == 1:  # slices instead of index tensors (measured: docs/design.md, "The loop: measurements")
             p = self.last[0]
             inp = torch.cat([self.toks[:, p: p + 1], drafts.cpu()], 1)
             positions = torch.arange(p, p + length)[None]
@@ -293,6 +243,24 @@ class Run:
             self.cache.crop(keep_cols - self.cache.get_seq_length())
         self.cols = keep_cols
         self.n_eff = n_eff
+        return kept
+
+    def keep(self, n_acc: list[int], nxt: list[int], drafts: torch.Tensor, feed_step: int | None,
+             remap: tuple[int, torch.Tensor] | None = None) -> list[list[int]]:
+        """Commit a verified round and pass it on: each row's accepted drafts and next token (`commit`), the
+        forward's feed for the model drafters (`feed_step`: the probe session's step of it; None when no drafter
+        reads it; `remap`: a tree forward's (base, real position of each node)), the n-gram indices and the
+        streamer. Returns the tokens kept per row."""
+        kept = self.commit(n_acc, nxt, drafts)
+        span = self.advance(feed_step is not None)
+        if span is not None:
+            self.add_feed((feed_step, *span) if remap is None else (feed_step, *span, remap))
+        if self.ngram is not None:
+            for r, t in enumerate(kept):
+                if t:
+                    self.ngram[r].extend(t)
+        if self.streamer is not None and kept[0]:
+            self.streamer.put(torch.tensor(kept[0]))
         return kept
 
     def advance(self, feed: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:

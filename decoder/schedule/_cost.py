@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..loop._run import causal_block
 from ..target._compat import cache_kw
 from ..target._kv import GrowingCache
+from ..target._mask import causal_block
 from ..target._packed import PackedLinears
 
 

@@ -1,8 +1,8 @@
 """The round scheduler: per round and row, which method drafts and how many tokens the target verifies.
 
     plan = DraftPlan(k=5, cost=[...], step_cost=..., rate=..., base=[...], caps=[...], calib=[...])
-    plan.best(eagle_prefix)             # (value, verify length L) of the best choice so far
-    plan.worth_another(eagle, cond)     # would one more drafter step pay for itself?
+    plan.best(model_prefix)             # (value, verify length L) of the best choice so far
+    plan.worth_another(model, cond)     # would one more drafter step pay for itself?
 
 Throughput is tokens over time, so a round is worth what it emits beyond what the same time
 would have earned at the loop's rate R (tokens/s; renewal-reward, as in Dinkelbach's method):
@@ -12,9 +12,9 @@ would have earned at the loop's rate R (tokens/s; renewal-reward, as in Dinkelba
 c(L) is the measured cost of a target forward over L tokens at this batch (plus the
 round's bookkeeping); P_r,i is the probability that row r's draft i and every draft before
 it are accepted. For the n-gram proposal P comes from an online-calibrated table keyed by
-suffix-match length, prompt-output overlap and position; for EAGLE-3 from the confidence
+suffix-match length, prompt-output overlap and position; for a model drafter from its confidence
 head (or, without one, the drafter's own top-1 probability) mapped through an online
-calibration of predicted versus observed acceptance. EAGLE-3 drafts one step at a time and
+calibration of predicted versus observed acceptance. A model drafter drafts one step at a time and
 stops once the expected gain of one more step is below R * (its cost): verify length and
 draft length are chosen separately, and time already spent drafting is sunk, not a reason
 to verify more. L = 1 is a plain step; with R at least the plain rate, a round drafts only
@@ -118,11 +118,11 @@ class DraftPlan:
     rate: float  # tokens/s (all rows) that time is worth: max(plain rate, the loop's recent rate)
     base: list[list[float]]  # per row: prefix sums of the n-gram proposal's P (base[r][0] == 0)
     caps: list[int]  # per row: most useful drafts (remaining budget - 1); -1 = finished row
-    calib: list[float] = field(default_factory=list)  # EAGLE-3: raw confidence bin -> acceptance
+    calib: list[float] = field(default_factory=list)  # the model drafter: raw confidence bin -> acceptance
     fixed: bool = False  # draft exactly k, verify k+1: the classic fixed-k loop
     ahead: list[float] = field(default_factory=list)  # per row: most remaining tokens / its remaining (>= 1)
     margin: float = 0.1  # drafting must beat a plain step by this share of a step's tokens (estimates are noisy)
-    row_scale: list[float] = field(default_factory=list)  # per row: observed / predicted EAGLE-3 acceptance so far
+    row_scale: list[float] = field(default_factory=list)  # per row: observed / predicted model drafter acceptance
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,8 +131,8 @@ class DraftPlan:
         p = raw if not self.calib else self.calib[min(max(int(raw * len(self.calib)), 0), len(self.calib) - 1)]
         return min(1.0, p * self.row_scale[row]) if self.row_scale else p
 
-    def best(self, eagle: list[list[float]] | None) -> tuple[float, int]:
-        """(value, verify length) of the best L given EAGLE-3's prefix sums per row (or None)."""
+    def best(self, model: list[list[float]] | None) -> tuple[float, int]:
+        """(value, verify length) of the best L given the model drafter's prefix sums per row (or None)."""
         top_value, top_len = float("-inf"), 1
         ahead = self.ahead
         for length in range(1, len(self.cost) + 1):
@@ -143,8 +143,8 @@ class DraftPlan:
                 m = min(length - 1, cap)
                 g = self.base[r]
                 gain = g[min(m, len(g) - 1)]
-                if eagle is not None:
-                    e = eagle[r]
+                if model is not None:
+                    e = model[r]
                     gain = max(gain, e[min(m, len(e) - 1)])
                 tokens = min(tokens, (1.0 + gain) * (ahead[r] if ahead else 1.0))
             if tokens == float("inf"):
@@ -166,10 +166,11 @@ class DraftPlan:
             prefix[r].append(prefix[r][-1] + cum[r])
         return self.worth_another(prefix, cond)
 
-    def worth_another(self, eagle: list[list[float]], cond: list[float]) -> bool:
-        """Would one more EAGLE-3 step gain more than its cost, if its conditional acceptance matched the last one?"""
-        now, _ = self.best(eagle)
-        longer = [e + [e[-1] + (e[-1] - e[-2]) * c] if len(e) > 1 else e for e, c in zip(eagle, cond, strict=True)]
+    def worth_another(self, model: list[list[float]], cond: list[float]) -> bool:
+        """Would one more model drafter step gain more than its cost, if its conditional acceptance matched the last
+        one?"""
+        now, _ = self.best(model)
+        longer = [e + [e[-1] + (e[-1] - e[-2]) * c] if len(e) > 1 else e for e, c in zip(model, cond, strict=True)]
         nxt, _ = self.best(longer)
         return nxt - now > self.rate * self.step_cost
 
@@ -193,7 +194,7 @@ class RowFix:
 
 @dataclass
 class Choice:
-    """What a round verifies: L, and per row the method ('eagle', 'ngram' or 'none') and drafts offered."""
+    """What a round verifies: L, and per row the method ('model', 'ngram' or 'none') and drafts offered."""
 
     length: int
     methods: list[str]
@@ -201,11 +202,11 @@ class Choice:
 
 
 class Scheduler:
-    """Per-decoder state: calibration (kept across calls, slowly forgotten) and the EAGLE-3 consult backoff.
+    """Per-decoder state: calibration (kept across calls, slowly forgotten) and the model drafter's consult backoff.
 
-    Whether asking EAGLE-3 pays depends on what n-gram lookup already offers that round: next to a long,
+    Whether asking the model drafter pays depends on what n-gram lookup already offers that round: next to a long,
     likely copy its drafts add little, where n-gram has nothing they may be all the round gains. One average
-    over all rounds let the first kind back EAGLE-3 off in the second. So the backoff is kept per context,
+    over all rounds let the first kind back the model drafter off in the second. So the backoff is kept per context,
     the n-gram's expected accepted drafts in bands (`context`), and each context learns on its own."""
 
     MAX_BACKOFF = 64
@@ -213,14 +214,15 @@ class Scheduler:
 
     def __init__(self, k: int, *, fixed: bool = False) -> None:
         self.k, self.fixed = k, fixed
-        self.eagle_calib = {"greedy": Calibrator(), "sample": Calibrator()}
-        # per mode, as EAGLE-3's: a greedy call's n-gram drafts are accepted far more often than a sampled one's
+        self.model_calib = {"greedy": Calibrator(), "sample": Calibrator()}
+        # per mode, as the model drafter's: a greedy call's n-gram drafts are accepted far more often than a sampled
+        # one's
         self.ngram_calib = {"greedy": NgramCalibrator(), "sample": NgramCalibrator()}
         self.alt_calib = {"greedy": AltCalibrator(), "sample": AltCalibrator()}  # n-gram trees' alternatives
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything: consult EAGLE-3 at once."""
+        """Forget everything: consult the model drafter at once."""
         n = len(self.BANDS) + 1  # unknown: the first consult in each context decides
         self.backoff, self.wait, self.net = [1] * n, [0] * n, [0.0] * n
 
@@ -232,7 +234,7 @@ class Scheduler:
 
     @property
     def rest(self) -> int:
-        """Rounds until EAGLE-3 is asked again in the context that asks soonest."""
+        """Rounds until the model drafter is asked again in the context that asks soonest."""
         return min(self.wait)
 
     def new_call(self) -> None:
@@ -241,15 +243,15 @@ class Scheduler:
         self.wait = [0 if net > 0 else min(w, b - 1) for net, w, b in zip(self.net, self.wait, self.backoff,
                                                                              strict=True)]
 
-    def consult_eagle(self, ctx: int = 0) -> bool:
+    def consult_model(self, ctx: int = 0) -> bool:
         if self.fixed or self.wait[ctx] <= 0:
             return True
         self.wait[ctx] -= 1
         return False
 
     def consulted(self, net: float, ctx: int = 0) -> None:
-        """After a consult: `net` = tokens the round gained from EAGLE-3's drafts minus what its time would have
-        earned. While that pays on average, ask every round; otherwise back off exponentially."""
+        """After a consult: `net` = tokens the round gained from the model drafter's drafts minus what its time would
+        have earned. While that pays on average, ask every round; otherwise back off exponentially."""
         self.net[ctx] = 0.5 * self.net[ctx] + 0.5 * net
         self.backoff[ctx] = 1 if self.net[ctx] > 0 else min(2 * self.backoff[ctx], self.MAX_BACKOFF)
         self.wait[ctx] = self.backoff[ctx] - 1
@@ -266,29 +268,29 @@ class Scheduler:
             out.append(pref)
         return out
 
-    def choose(self, plan: DraftPlan, eagle: list[list[float]] | None, props: list[list[int]],
-               n_eagle: int) -> Choice:
+    def choose(self, plan: DraftPlan, model: list[list[float]] | None, props: list[list[int]],
+               n_model: int) -> Choice:
         caps = plan.caps
         if self.fixed:
             length = plan.k + 1
         else:
-            _, length = plan.best(eagle)
+            _, length = plan.best(model)
         methods, k_rows = [], []
         for r, cap in enumerate(caps):
             m = max(min(length - 1, cap), 0)
             g = plan.base[r][min(m, len(plan.base[r]) - 1)]
-            e = eagle[r][min(m, len(eagle[r]) - 1)] if eagle is not None else -1.0
+            e = model[r][min(m, len(model[r]) - 1)] if model is not None else -1.0
             if cap < 0 or m == 0 or (e <= 0 and not props[r]):
                 methods.append("none")
                 k_rows.append(0)
-            elif eagle is not None and (e >= g or not props[r]):
-                methods.append("eagle")
-                k_rows.append(min(m, n_eagle))
+            elif model is not None and (e >= g or not props[r]):
+                methods.append("model")
+                k_rows.append(min(m, n_model))
             else:
                 methods.append("ngram")
                 k_rows.append(min(m, len(props[r])))
         if self.fixed:  # the classic loop offers every draft it made
-            k_rows = [0 if c < 0 else (n_eagle if mt == "eagle" else len(p) if mt == "ngram" else 0)
+            k_rows = [0 if c < 0 else (n_model if mt == "model" else len(p) if mt == "ngram" else 0)
                       for c, mt, p in zip(caps, methods, props, strict=True)]
             length = max(k_rows, default=0) + 1
         else:
