@@ -87,7 +87,7 @@ def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr:
     if name in NAMED:
         d = drafter if name == "EAGLE-3 tree" else load_named_drafter(NAMED[name], model)
         return SpeculativeDecoder(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
-    if ", packed=" in name:  # A/B of the packed weights (decoder/target/_packed.py): the LM head only, or F.linear
+    if ", packed=" in name:  # A/B of the packed weights (decoder/forward/_packed.py): the LM head only, or F.linear
         packed = name.split("=")[1]
         own = CostModel.for_target(model, refresh=True, packed=packed)
         d = NgramDrafter() if name.startswith("n-gram") else "auto"

@@ -11,7 +11,7 @@ The sub-packages say the architecture, each importing only those below it:
     drafters/   the model drafters (EAGLE-3, Medusa, MTP, DSpark, draft model, layer skip, remote) and n-gram lookup
     training/   training the drafters from recorded features
     schedule/   the round scheduler and the measured cost model
-    target/     how the loop runs the target: its KV cache, packed weights, masks
+    forward/    how the loop runs the target's forward: its KV cache, packed weights, masks
     verify.py   every accept/reject rule (greedy, sampled; chains, trees)
 This top level holds what the README and the examples use. `decoder` imports `probe` (and `exporters` for
 training), never `probebus`.

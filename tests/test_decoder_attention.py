@@ -1,5 +1,5 @@
-"""The loop's attention for masked forwards of several tokens (`decoder/target/_attention.py`) against transformers' own
-SDPA attention: same logits, no K/V head copies, and the model's own setting back after each forward."""
+"""The loop's attention for masked forwards of several tokens (`decoder/forward/_attention.py`) against transformers'
+own SDPA attention: same logits, no K/V head copies, and the model's own setting back after each forward."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 import transformers.integrations.sdpa_attention as hf_sdpa
 from models import build
 
+from decoder.forward._attention import KEY, gqa_attention
 from decoder.loop._run import causal_block
-from decoder.target._attention import KEY, gqa_attention
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

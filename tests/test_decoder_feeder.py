@@ -16,7 +16,7 @@ from transformers import DynamicCache
 import probe
 from decoder.drafters import Eagle3Config, Eagle3Drafter, EagleFeeder
 from decoder.drafters._feeder import feature_sites
-from decoder.target._compat import cache_kw
+from decoder.forward._compat import cache_kw
 
 K = 4
 

@@ -91,7 +91,7 @@ def _names_the_cache_cache() -> bool:
     """Whether the installed transformers' forwards take `cache=` (newer releases) rather than `past_key_values=`."""
     from transformers import LlamaForCausalLM
 
-    from decoder.target._compat import cache_kw
+    from decoder.forward._compat import cache_kw
 
     return cache_kw(LlamaForCausalLM.forward) == "cache"
 
@@ -191,9 +191,9 @@ def test_probes_publish_during_the_decoders_own_calls_only() -> None:
 
 
 def test_packed_weights_serve_the_loops_forwards_and_step_aside_for_hooks(monkeypatch) -> None:  # noqa: ANN001
-    """`decoder/target/_packed.py`: the verify forward's linear layers, their weights packed once for oneDNN."""
-    import decoder.target._packed as packed_mod
-    from decoder.target._packed import PackedLinears
+    """`decoder/forward/_packed.py`: the verify forward's linear layers, their weights packed once for oneDNN."""
+    import decoder.forward._packed as packed_mod
+    from decoder.forward._packed import PackedLinears
 
     torch.manual_seed(0)
     model = build("llama")
@@ -263,7 +263,7 @@ def test_every_forward_of_a_call_takes_the_packed_weights(monkeypatch) -> None: 
     """Greedy and sampled calls alike: the prefill and every one-token round go through `_packed.py` (a greedy
     call's plain rounds kept `F.linear` until their batch-8 rounds measured 0.92x `generate` for it), and
     `packed="none"` keeps `F.linear` everywhere."""
-    import decoder.target._packed as packed_mod
+    import decoder.forward._packed as packed_mod
 
     if not packed_mod._ops_available():
         pytest.skip("this torch build has no oneDNN linear ops")
@@ -295,7 +295,7 @@ def test_a_transformers_release_that_names_the_cache_past_key_values() -> None:
     with probes, the cost curve): greedy output equal to plain `generate`."""
     from transformers import LlamaForCausalLM
 
-    from decoder.target._compat import cache_kw
+    from decoder.forward._compat import cache_kw
 
     class OldCacheName(LlamaForCausalLM):
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,  # noqa: ANN001, ANN201

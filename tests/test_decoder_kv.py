@@ -1,4 +1,4 @@
-"""The loop's KV cache (`decoder/target/_kv.py`) against transformers' own DynamicCache, the same operations on both:
+"""The loop's KV cache (`decoder/forward/_kv.py`) against transformers' own DynamicCache, the same operations on both:
 forwards of 1 and several tokens, crops, a tree's kept path, a batch select, and `generate` continuing it."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from models import build
 from transformers import DynamicCache
 
 from decoder.drafters._tree import keep_path
-from decoder.target._compat import cache_kw
-from decoder.target._kv import GrowingCache, GrowingLayer
+from decoder.forward._compat import cache_kw
+from decoder.forward._kv import GrowingCache, GrowingLayer
 
 
 def _forward(model: torch.nn.Module, cache: DynamicCache, ids: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,9 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
+from ..forward._compat import cache_kw
+from ..forward._kv import GrowingCache
 from ..schedule._sched import DraftPlan
-from ..target._compat import cache_kw
-from ..target._kv import GrowingCache
 from ._chain import draft_chain
 from ._feeder import Drafts, Feed
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..target._kv import GrowingLayer
+from ..forward._kv import GrowingLayer
 
 
 @dataclass

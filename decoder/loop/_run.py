@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..forward._kv import GrowingCache
+from ..forward._mask import causal_block
 from ..schedule._sched import RowFix, Scheduler
-from ..target._kv import GrowingCache
-from ..target._mask import causal_block
 from ._stats import SpecStats
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class Run:
         self.emitted = [0] * b
         self.done = [False] * b
         self.n_eff = [0] * b  # drafts each row accepted in the last round (-1: the row had finished)
-        self.cache = GrowingCache(capacity=self.mask.shape[1] + 64)  # a tree's nodes fit too (`target/_kv.py`)
+        self.cache = GrowingCache(capacity=self.mask.shape[1] + 64)  # a tree's nodes fit too (`forward/_kv.py`)
         self.stats = SpecStats(batch=b, accepted_at=[0] * k, offered_at=[0] * k)
         self._tokens_ema = self._seconds_ema = 0.0
         self.no_drafts = torch.zeros(b, 0, dtype=torch.long)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..target._compat import cache_kw
-from ..target._packed import PackedLinears
+from ..forward._compat import cache_kw
+from ..forward._packed import PackedLinears
 
 if TYPE_CHECKING:
     from ..schedule._cost import CostModel

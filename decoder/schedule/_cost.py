@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..target._compat import cache_kw
-from ..target._kv import GrowingCache
-from ..target._mask import causal_block
-from ..target._packed import PackedLinears
+from ..forward._compat import cache_kw
+from ..forward._kv import GrowingCache
+from ..forward._mask import causal_block
+from ..forward._packed import PackedLinears
 
 
 def cache_dir() -> Path:
