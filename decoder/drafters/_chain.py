@@ -8,7 +8,7 @@ Greedy drafts take the argmax; sampled drafts draw from softmax(logits / T) over
 vocabulary and return that q, which is what verification needs to stay lossless. The raw
 acceptance estimate is the drafter's own probability of the token it proposed (the
 scheduler calibrates it online). With a plan (not fixed-k) drafting stops as soon as one
-more step is not worth its cost, exactly as the EAGLE-3 feeder does.
+more step is not worth its cost, exactly as the model drafters' feeder (`EagleFeeder`) does.
 """
 
 from __future__ import annotations

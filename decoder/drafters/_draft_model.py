@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -30,6 +31,20 @@ from ..forward._kv import GrowingCache
 from ..schedule._sched import DraftPlan
 from ._chain import draft_chain
 from ._feeder import Drafts, Feed
+
+
+class BoundRun(Protocol):
+    """What `LayerSkipDrafter` reads of the loop's per-call `Run` (`bind_run`); the loop imports the drafters,
+    so the drafters name the attributes they use instead of importing it."""
+
+    device: torch.device
+    cols: int  # cache columns in use
+    mask: torch.Tensor  # [B, columns] 2-D attention mask over the target's cache
+    last: list[int]  # per row: the position of the token that goes in next
+    cache: DynamicCache  # the target's KV cache
+
+    def inputs(self, drafts: torch.Tensor,
+               block: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 class DraftModelDrafter:
@@ -168,10 +183,11 @@ class LayerSkipDrafter(DraftModelDrafter):
         super().__init__(early_exit_view(target, layers), name="layer-skip")
         self.target = target
         self.layers = layers
-        self.run = None
+        self.run: BoundRun | None = None
         self._pending: tuple[int, torch.Tensor, list[torch.Tensor]] | None = None  # cols, drafts, exit states
 
-    def bind_run(self, run) -> None:  # noqa: ANN001 - the loop's Run of this call
+    def bind_run(self, run: BoundRun | None) -> None:
+        """The loop's `Run` of this call (None: draft with a cache of its own)."""
         self._release()
         self.run = run
 
@@ -213,7 +229,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         return Drafts(tokens.cpu(), tokens, conf, q, 0.0, time.perf_counter() - t0)
 
     @torch.no_grad()
-    def verify_from_draft(self, run, drafts: torch.Tensor, reuse: bool = True) -> torch.Tensor | None:  # noqa: ANN001 - Run
+    def verify_from_draft(self, run: BoundRun, drafts: torch.Tensor, reuse: bool = True) -> torch.Tensor | None:
         """The round's verify logits [B, L, V] for [last, drafts], computed from layer `layers` on with the draft's
         states, or None (after taking the draft's columns off the cache) when the round verifies other tokens
         than the ones drafted, or `reuse` is off (the caller's probes must see every layer)."""

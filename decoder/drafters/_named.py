@@ -99,7 +99,7 @@ def load_named_drafter(spec: str, target: nn.Module) -> object:
             return MedusaFeeder(load_medusa(folder, target))
         if method == "layer-skip":
             return load_layer_skip(folder, target)
-        if method == "mtp":  # the attention-free head, or DeepSeek-V3's block with attention (an EAGLE-style drafter)
+        if method == "mtp":  # the attention-free head, or DeepSeek-V3's block with attention (a model drafter)
             head = load_mtp(folder, target)
             return head if isinstance(head, MTPAttnDrafter) else MTPFeeder(head)
         if method == "dspark":

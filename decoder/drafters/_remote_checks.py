@@ -4,9 +4,10 @@
     trusted_peer(frame)                                                  # the message came from this machine
 
 A client of the drafter server could make it allocate whatever a `prepare` asked for
-(+2.1 GB from one request), send a 1 GiB frame, stop it, or point its subscriber at any
-endpoint. Types, ranges and the memory a `prepare` implies are checked here, so that a
-bad request gets an error reply and the server goes on serving.
+(gigabytes from one request; measured: docs/design.md, 'Decoder: measurements behind the
+code'), send a 1 GiB frame, stop it, or point its subscriber at any endpoint. Types, ranges
+and the memory a `prepare` implies are checked here, so that a bad request gets an error reply
+and the server goes on serving.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,6 +33,16 @@ from ..forward._compat import cache_kw
 from ..forward._kv import GrowingCache
 from ..forward._mask import causal_block
 from ..forward._packed import PackedLinears
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+# The cost cache's format version, part of every cache file's name (`CostModel.for_target`): a file of an older
+# version is never read, so its curve is measured again. Bump it whenever what `measure` times changes the way
+# the loop's forwards run (which weights are packed, the masks, the KV cache, attention, inference mode): a curve
+# cached before such a change measured forwards the loop no longer runs. What each bump was for:
+# docs/design.md, 'Decoder: measurements behind the code'.
+CACHE_VERSION = 5
 
 
 def cache_dir() -> Path:
@@ -65,9 +76,8 @@ NGRAM_PATHS = ("spec", "ngram", "plain")  # sampled batch-1 calls with a model d
 
 def quick_lengths(k_max: int) -> list[int]:
     """The forward lengths a first measurement times: 1, 2, the middle and k_max + 1. The curve between them is
-    close to straight where it was measured whole (batch 8, default model, 2-core VM: 1.33, 1.38 for 3 and 4
-    tokens, 1.64, 1.7, 1.8 for 6-8, against 1.32, 1.43 and 1.64, 1.73, 1.82 interpolated; batch 1 flat from 2
-    tokens on)."""
+    close to straight where it was measured at every length, so the others are interpolated (measured:
+    docs/design.md, 'Decoder: measurements behind the code')."""
     return sorted({1, min(2, k_max + 1), (k_max + 3) // 2, k_max + 1})
 
 
@@ -91,40 +101,37 @@ class PathChoice:
     MAX_GAP), so a path that loses by a steady margin costs less and less to keep an eye on.
 
     A plain round of the speculative loop costs more than a step of `generate` (inputs, verify, per-row
-    commit and accounting in Python): where drafting does not pay, the scheduler's plain rounds ran
-    4-14 % slower than `generate` at batch 8 on the 2-core VM. Handing such calls over is how they stop
-    losing; the comparison is of whole calls because that is what the user waits for. One call's rate
-    depends on its prompt (drafts are accepted more on some), so a single unlucky call must not flip the
-    choice: the window averages over prompts, where the earlier rule (the last two calls, re-tried every
-    8th) lost a gain of 1.3x on some sets to calls handed over after one bad prompt.
+    commit and accounting in Python): where drafting does not pay, the scheduler's plain rounds are slower
+    than `generate`. Handing such calls over is how they stop losing; the comparison is of whole calls
+    because that is what the user waits for. One call's rate depends on its prompt (drafts are accepted more
+    on some), so a single unlucky call must not flip the choice: the window averages over prompts, where an
+    earlier rule (the last two calls, re-tried every 8th) lost gains to calls handed over after one bad prompt.
 
     The first calls need the same care. A fresh decoder's first call pays the drafter's warm-up and learns its
-    calibration from nothing, and per-call speedups spread 0.8-2.6x over one set of prompts at batch 1. So
-    the speculative path keeps the calls until it has seen MIN_SPEC prompts (a call at batch b is b of them),
-    unless it lost by more than CLEAR at once over CLEAR_TOKENS tokens or more (drafting at batch 8 or
-    T = 0.8 here ran 0.6-0.8x). Counting
-    prompts, not calls: a batch-8 call already averages over 8 prompts, and in a 6-call benchmark at batch 8
-    its first 3 calls kept speculative where drafting lost (third-party code, greedy: auto 0.88x, n-gram
-    alone 0.76x). Measured on the third-party set alone, one
-    8-token call (the benchmark's warm-up, 72-97 tok/s, mostly its prefill, against 152 for a 96-token plain
-    call) weighed as much as a 96-token one, and the earlier rule handed nearly every later call to
-    `generate` (auto 0.92x, tau 1.03) where drafting paid 1.3x.
+    calibration from nothing, and per-call speedups spread widely over one set of prompts. So the speculative
+    path keeps the calls until it has seen MIN_SPEC prompts (a call at batch b is b of them), unless it lost
+    by more than CLEAR at once over CLEAR_TOKENS tokens or more (drafting does lose that clearly, at batch 8
+    or when sampling). Counting prompts, not calls: a batch-8 call already averages over 8 prompts, and
+    counting calls kept the speculative path through the first calls of a batch-8 benchmark where drafting
+    lost. Weighing calls by their tokens: a short call (a warm-up, mostly its prefill) weighed as much as a
+    long one under the earlier rule, which then handed nearly every later call to `generate` where drafting paid.
 
     A sampled batch-1 call of a decoder with a model drafter and n-gram lookup has a third path, "ngram": the
     loop with n-gram drafts alone, probes off (`SpeculativeDecoder._paths`). Each path is measured once, in order, then
-    the best keeps the calls and the others are re-measured in turn. On 24 stdlib prompts at T = 0.8, batch 1,
-    n-gram alone ran 1.23x plain where the per-round choice between EAGLE-3 and n-gram ran 1.18x: same tau
-    (1.16 vs 1.20), 0.6 ms more a round for EAGLE-3's steps and the probes' capture, which the per-round rule,
-    judging EAGLE-3's drafts by its own confidence, did not see to lose."""
+    the best keeps the calls and the others are re-measured in turn. When sampling, n-gram alone beat the
+    per-round choice between the model drafter and n-gram at about the same acceptance: the model drafter's
+    steps and the probes' capture cost time every round, which the per-round rule, judging the model drafter's
+    drafts by its own confidence, did not see to lose.
+
+    (measured: docs/design.md, 'Decoder: measurements behind the code')"""
 
     WINDOW = 8
     FIRST_GAP, MAX_GAP = 8, 64
     MIN_SPEC = 3  # prompts the speculative path is measured on before it may lose by a small margin
     CLEAR = 1.15  # seconds per token against plain's that lose at once...
-    # ...once the speculative path has decoded this many tokens. A fresh decoder's first call of 8 tokens (a
-    # warm-up, a smoke test) ran 57 ms against `generate`'s 47 on the default model (its prefill, probes on,
-    # little to draft from yet): that lost "clearly" and handed the next 8 calls of 96 tokens to `generate`,
-    # where drafting ran 1.6-3.7x on them (12 stdlib prompts).
+    # ...once the speculative path has decoded this many tokens. A fresh decoder's short first call (a warm-up,
+    # a smoke test: its prefill, probes on, little to draft from yet) loses "clearly" and would hand the next
+    # calls to `generate` where drafting pays (measured: docs/design.md, 'Decoder: measurements behind the code').
     CLEAR_TOKENS = 64
 
     def __init__(self) -> None:
@@ -213,11 +220,9 @@ class CostModel:
         """`packed`: the loop's forwards use `PackedLinears` ("all" by default), so their curve does."""
         have = PackedLinears.of(target, packed)
         packed = have.kind if have is not None else "none"
-        # "+5": one-token forwards packed too (since 2026-12-04), but for the head at a single row, a batch-1
-        # forward of several tokens with its own 4-D mask, a KV cache written in place (`_kv.py`), grouped K/V
-        # heads read in place (`_attention.py`), and inference mode (`_loop.inference`): a curve cached before
-        # measured none of them
-        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}+5".encode()).hexdigest()[:20]
+        # "+CACHE_VERSION": the cache format (see CACHE_VERSION for when to bump it)
+        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}+{CACHE_VERSION}"
+                             .encode()).hexdigest()[:20]
         path = path or cache_dir() / f"decoder-cost-{key}.json"
         data = None
         if not refresh and path.is_file():
@@ -270,16 +275,17 @@ class CostModel:
         return 1.5e-4 if frozen else self._overhead.get(batch, 1.5e-4)
 
     # --- measuring -----------------------------------------------------------------------
-    def ensure(self, batch: int, k_max: int, drafter: nn.Module | None = None, context=None,  # noqa: ANN001
-               capturing=None) -> None:  # noqa: ANN001
+    def ensure(self, batch: int, k_max: int, drafter: nn.Module | None = None,
+               context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+               capturing: Callable[[], contextlib.AbstractContextManager[object]] | None = None) -> None:
         """Measure batch `batch` if it is not known yet, once per model and machine: the fastest of 3 forwards
         per length at the lengths `quick_lengths` names (1, 2, the middle and k_max + 1; with `capturing`, a
         context in which probes publish, 1 and k_max + 1 again), the lengths between them interpolated, and the
         online refinement (`observe_verify`) correcting each length the loop uses. With `full` (a model made
         with refresh=True: the benchmark, `--refresh-cost`) the fastest of 6 at every length in both probe
-        states. Measured whole, the curve cost a machine's first `--drafter default` call 0.64 s of its 0.96 s
-        (2-core VM, default model, 64 tokens, k = 8; the next call 0.32 s, `--drafter none` ~0.37 s); the
-        quick curve makes that first call 0.39-0.52 s against 0.36-0.46 s for none."""
+        states. Measured whole, the curve was most of a machine's first call with a drafter; the quick curve
+        brings that first call close to one without (measured: docs/design.md, 'Decoder: measurements behind
+        the code')."""
         if self.has(batch, k_max) and (capturing is None or "verify_capturing" in self.data[str(batch)]):
             return
         if str(batch) in self.data and self._target is None:
@@ -299,7 +305,8 @@ class CostModel:
 
     @staticmethod
     @torch.no_grad()
-    def measure(target: nn.Module, batch: int, k_max: int, drafter: nn.Module | None = None, context=None,  # noqa: ANN001
+    def measure(target: nn.Module, batch: int, k_max: int, drafter: nn.Module | None = None,
+                context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
                 ctx_len: int = 32, reps: int = 6, packed: str = "none", lengths: list[int] | None = None) -> dict:
         """Seconds of a forward over L = 1..k_max+1 new tokens after ctx_len cached ones, and of a drafter step.
 

@@ -110,7 +110,8 @@ def ttt_mask(length: int, step: int) -> torch.Tensor:
     return torch.cat(blocks, 1)
 
 
-def ttt_chain(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, feats: torch.Tensor, steps: int):
+def ttt_chain(drafter: Eagle3Drafter, embed: nn.Embedding, toks: torch.Tensor, feats: torch.Tensor,
+              steps: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Yield (j, h, normed h, logits) for unrolled steps j = 0..steps-1 over toks [B, L+2], feats [B, L, 3H].
 
     Step j at position t continues the chain that started at t - j, fed its own previous

@@ -17,6 +17,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,12 @@ from torch import nn
 
 from ..drafters._medusa import MedusaConfig, MedusaHeads, save_medusa
 from ._train import holdout_count, load_site_sequences
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..drafters._dspark import DSparkHead
+    from ..drafters._mtp import MTPHead
 
 
 @dataclass
@@ -82,8 +89,9 @@ def _prepare(recording: str | Path, out: str | Path, min_len: int, holdout: floa
     return out, [seqs[i] for i in sorted(order[n_hold:])], [seqs[i] for i in order[:n_hold]]
 
 
-def _fit(module: nn.Module, loss_fn, items: int, cfg, out: Path, *, key: str, name: str, resume: bool,  # noqa: ANN001
-         progress: bool, clip: float | None) -> dict:
+def _fit(module: nn.Module, loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | list[float]]],
+         items: int, cfg: HeadsTrainConfig | MTPTrainConfig | DSparkTrainConfig, out: Path, *, key: str, name: str,
+         resume: bool, progress: bool, clip: float | None) -> dict:
     """The optimisation loop every head shares: AdamW, linear warm-up then cosine, `cfg.batch` random items per
     step (`loss_fn(idx) -> (loss, accuracies)`), resumable from OUT/train_state.pt (saved every `save_every`)."""
     opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -213,7 +221,8 @@ def _chains(seqs: list[tuple[torch.Tensor, torch.Tensor]], depth: int) -> tuple[
     return torch.cat(feats), torch.cat(toks)
 
 
-def _mtp_loss(head, h: torch.Tensor, toks: torch.Tensor, cfg: MTPTrainConfig, pos_in: torch.Tensor | None):  # noqa: ANN001, ANN202
+def _mtp_loss(head: MTPHead, h: torch.Tensor, toks: torch.Tensor, cfg: MTPTrainConfig,
+              pos_in: torch.Tensor | None) -> tuple[torch.Tensor, list[float]]:
     loss, accs = h.new_zeros(()), []
     for j in range(cfg.depth):
         h, hn = head.step(h, toks[:, j])
@@ -235,7 +244,7 @@ def _mtp_loss(head, h: torch.Tensor, toks: torch.Tensor, cfg: MTPTrainConfig, po
 
 
 @torch.no_grad()
-def mtp_acceptance(head, feats: torch.Tensor, toks: torch.Tensor) -> dict:  # noqa: ANN001
+def mtp_acceptance(head: MTPHead, feats: torch.Tensor, toks: torch.Tensor) -> dict:
     """Greedy chain acceptance by draft position (teacher forcing is exact while the chain is right)."""
     alive = torch.ones(len(feats), dtype=torch.bool)
     h, acc = feats, []
@@ -299,7 +308,7 @@ def _train_mtp_attn(target: nn.Module, recording: str | Path, out: str | Path, c
     ttt = SimpleNamespace(ttt_steps=cfg.depth, decay=cfg.decay)
     gen = torch.Generator().manual_seed(cfg.seed)
 
-    def loss_fn(idx: torch.Tensor):  # noqa: ANN202 - idx: how many windows this step draws, from `gen`
+    def loss_fn(idx: torch.Tensor) -> tuple[torch.Tensor, list[float]]:  # idx: unused, the windows come from `gen`
         toks, feats = _batch(pool, cfg.sequences, window, gen)
         return ttt_loss(drafter, embed, toks, feats[:, :window].float(), toks[:, 2: window + 2], ttt)
 
@@ -328,7 +337,8 @@ class DSparkTrainConfig:
     holdout: float = 0.05
 
 
-def _dspark_loss(head, h: torch.Tensor, toks: torch.Tensor, cfg: DSparkTrainConfig):  # noqa: ANN001, ANN202
+def _dspark_loss(head: DSparkHead, h: torch.Tensor, toks: torch.Tensor,
+                 cfg: DSparkTrainConfig) -> tuple[torch.Tensor, list[float]]:
     base = head.base(h, toks[:, 0])
     loss, accs = h.new_zeros(()), []
     for i in range(cfg.positions):
@@ -342,7 +352,7 @@ def _dspark_loss(head, h: torch.Tensor, toks: torch.Tensor, cfg: DSparkTrainConf
 
 
 @torch.no_grad()
-def dspark_acceptance(head, feats: torch.Tensor, toks: torch.Tensor) -> dict:  # noqa: ANN001
+def dspark_acceptance(head: DSparkHead, feats: torch.Tensor, toks: torch.Tensor) -> dict:
     """Greedy chain acceptance by draft position, and the confidence head's mean estimate against it."""
     base = head.base(feats, toks[:, 0])
     alive = torch.ones(len(feats), dtype=torch.bool)
