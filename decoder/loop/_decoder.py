@@ -52,7 +52,8 @@ from ._tree_round import supports_tree, tree_round
 log = logging.getLogger("decoder")
 
 # The longest draft: scheduled, a longer ceiling only adds options the cost curve may take; a fixed schedule drafts
-# exactly k every round, where 5 stays the better length (measured: docs/design.md, "The loop: measurements").
+# exactly k every round, where 5 stays the better length (measured: docs/design.md, "Decoder: measurements behind
+# the code").
 AUTO_K, FIXED_K = 8, 5
 
 ModelDrafter = Eagle3Drafter | Feeder
@@ -62,10 +63,11 @@ def inference(fn: Callable[..., SpecOutput]) -> Callable[..., SpecOutput]:
     """Run a decoding call under `torch.inference_mode`, its output sequences copied out of it after.
 
     Why: inference mode skips the version counters and view tracking that `no_grad` keeps for every op, and a
-    small model's forward is mostly per-op overhead (measured: docs/design.md, "The loop: measurements"). What
-    the call creates (caches, the drafter's buffers) is an inference tensor, written only by later calls (inside
-    the mode again). The sequences handed back are cloned outside it: an inference tensor cannot be saved for a
-    backward pass, and a caller may well feed the output to a forward with gradients (a loss, a fine-tune)."""
+    small model's forward is mostly per-op overhead (measured: docs/design.md, "Decoder: measurements behind the
+    code"). What the call creates (caches, the drafter's buffers) is an inference tensor, written only by later
+    calls (inside the mode again). The sequences handed back are cloned outside it: an inference tensor cannot be
+    saved for a backward pass, and a caller may well feed the output to a forward with gradients (a loss, a
+    fine-tune)."""
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> SpecOutput:
         with torch.inference_mode():
@@ -205,7 +207,7 @@ class SpeculativeDecoder:
         lookup may also run n-gram alone, probes off: at T = 0.8 the model drafter's drafts are rarely accepted,
         and its steps and the probes' capture cost more than per-round consults win back. Not at batch 8, where
         n-gram alone measured slower than plain steps, so measuring that path only costs calls (docs/design.md,
-        "The loop: measurements")."""
+        "Decoder: measurements behind the code")."""
         if temperature > 0 and batch == 1 and len(self.drafters) > 0 and self.ngram is not None:
             return NGRAM_PATHS
         return PATHS

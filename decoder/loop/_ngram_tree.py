@@ -9,7 +9,7 @@ Why: on the CPU a target forward costs nearly the same for a few to a dozen toke
 forward of their own are at hand: what followed the n-gram suffix's earlier occurrences (the index keeps
 the last few), and, in a round where a model drafter was consulted, whichever of its drafts and the n-gram
 proposal the scheduler did not choose. Replayed offline on held-out outputs, a few n-gram alternatives raised
-the tokens per round (measured: docs/design.md, "The loop: measurements behind the code").
+the tokens per round (measured: docs/design.md, "Decoder: measurements behind the code").
 
 Which nodes go in is `Tree.budget` on the measured cost curve (expected tokens over the forward's cost):
 each node carries P(its path is accepted): the chain's and the other method's nodes from their

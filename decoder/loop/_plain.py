@@ -17,7 +17,7 @@ Sampled calls only: a greedy call's pace picks up once its output starts repeati
 and handing greedy calls over lost more than it won. Any batch size: rows stand at different lengths there, with
 masked holes in the cache; to `generate` that is a left-padded batch (see `hand_over`), and progress is the
 slowest live row's. Sampling stays exact: the tokens so far are the target's samples, and `generate` samples the
-rest from the target. (Measured: docs/design.md, "The loop: measurements behind the code".)
+rest from the target. (Measured: docs/design.md, "Decoder: measurements behind the code".)
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def gen_kwargs(target: torch.nn.Module, max_new_tokens: int, temperature: float,
 
     Keywords, not a GenerationConfig: given a config, `generate` fills each unset field from the model's
     own config, so "no EOS" can only be an empty list, which still adds a stopping check and a padding
-    step to every token (measured: docs/design.md, "The loop: measurements behind the code"). With keywords
+    step to every token (measured: docs/design.md, "Decoder: measurements behind the code"). With keywords
     the model's config is the base, so every field it sets that would change the tokens (a top-k, an
     EOS, a repetition penalty, a minimum length) is unset here, and this call's values go on top."""
     base = target.generation_config.to_diff_dict()

@@ -90,7 +90,7 @@ class Run:
         self.cols = p_len
         # One row without padding: no mask at all (its mask stays all ones: a batch-1 round leaves no holes), and
         # a CPU forward of several tokens gets the additive mask built once (`causal_block`). Both give the same
-        # logits, cheaper (measured: docs/design.md, "The loop: measurements behind the code").
+        # logits, cheaper (measured: docs/design.md, "Decoder: measurements behind the code").
         self.dense = b == 1 and bool(mask.all())
         self.block_dtype = dtype if self.dense and torch.device(device).type == "cpu" else None
         self.prompt_mask = mask.to(device)
@@ -181,7 +181,7 @@ class Run:
         (`causal_block`). `self.mask` is kept either way (trees and hand-overs read it)."""
         b, n = drafts.shape
         length = n + 1
-        if b == 1:  # slices instead of index tensors (measured: docs/design.md, "The loop: measurements")
+        if b == 1:  # slices, not index tensors (measured: docs/design.md, "Decoder: measurements behind the code")
             p = self.last[0]
             inp = torch.cat([self.toks[:, p: p + 1], drafts.cpu()], 1)
             positions = torch.arange(p, p + length)[None]

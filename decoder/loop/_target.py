@@ -8,7 +8,7 @@ cache argument, and the probes' switch (they publish during the decoder's own ro
 
 Probes off costs nothing per forward: even a hook that publishes nothing costs a visible share of a small
 model's step. A toggle is the session's pause/resume; every call ends with the probes off, or any other forward
-of the model would publish into a session nobody reads (measured: docs/design.md, "The loop: measurements
+of the model would publish into a session nobody reads (measured: docs/design.md, "Decoder: measurements
 behind the code").
 """
 
