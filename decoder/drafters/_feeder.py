@@ -15,6 +15,7 @@ step would not pay. With k = 0 it only drains the bus.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -200,7 +201,7 @@ class EagleFeeder:
                      torch.tensor([e]), lambda x: x[:, -1:])
 
     def _run_to(self, hidden: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, end: torch.Tensor,
-                pick) -> None:  # noqa: ANN001
+                pick: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Run the drafter over the positions (up to `end` per row) and keep `pick`'s position per row (the
         newest) as the state drafting starts from. A step with a separate head (EAGLE-3's) runs its norm and LM
         head only there."""

@@ -33,7 +33,7 @@ packed="head")`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -122,12 +122,12 @@ class PackedLinears:
                 del own["forward"]
 
 
-def _pointwise_op():  # noqa: ANN202
+def _pointwise_op() -> Callable[..., torch.Tensor]:
     """oneDNN's linear over a packed weight (looked up when a layer is packed: a test can watch it)."""
     return torch.ops.mkldnn._linear_pointwise
 
 
-def _packed_forward(layer: nn.Linear, every_row: bool = True):  # noqa: ANN202
+def _packed_forward(layer: nn.Linear, every_row: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
     """The layer's forward over its weight packed now: oneDNN for fp32 [batch, len, in], else F.linear. With
     `every_row` False a single row (a batch-1 one-token step) takes F.linear (see MIN_ELEMENTS)."""
     packed, weight, bias = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 8), layer.weight, layer.bias
