@@ -162,8 +162,9 @@ class EagleFeeder:
     def _copy_run(self, cap: probe.Capture, s: int, e: int, c0: int, c1: int) -> bool:
         """Batch 1: copy the capture's rows at positions s..e into columns c0:c1 of the features as one slice,
         if its rows are one sequence at consecutive positions (a verify or prefill forward); False otherwise
-        (the masked copy then handles it). The masks and index tensors of the general copy were half of a
-        round's feature intake at batch 1 (351 -> 167 us per round in the loop, 2-core VM)."""
+        (the masked copy then handles it). The masks and index tensors of the general copy were a large share
+        of a round's feature intake at batch 1 (measured: docs/design.md, "Decoder: measurements behind the
+        code")."""
         pos = cap.positions.tolist()
         n = len(pos)
         if not n or pos != list(range(pos[0], pos[0] + n)) or cap.seq_ids.tolist().count(self.seq_base) != n:
