@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter as a bus subscriber: features in, drafts out.
+"""A model drafter as a bus subscriber (EAGLE-3, the MTP block): features in, drafts out.
 
     feeder = EagleFeeder(drafter, session.endpoint)      # or RemoteEagle(address): the same Feeder protocol
     feeder.prepare(batch, max_len)
@@ -6,7 +6,7 @@
 
 `feeds` lists the forwards since the last call as (step, start [B], end [B]): row r
 accepted positions start[r]..end[r] of forward `step`. The feeder takes those rows of
-the three `resid_pre` captures off the bus, runs the drafter over all of them at once
+the drafter's captures (EAGLE-3's three `resid_pre`) off the bus, runs the drafter over all of them at once
 (lazily: a round that does not draft costs only the bus), then proposes up to k tokens
 by feeding its own output back, one step at a time, stopping when `plan` says another
 step would not pay. With k = 0 it only drains the bus.

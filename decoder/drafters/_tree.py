@@ -7,7 +7,7 @@
     path, nxt = verify_tree_greedy(tree, logits)      # T > 0: trees drawn from q, see _tree_sample.py
     keep_path(cache, cols, path)                      # the KV cache keeps the accepted branch only
 
-EAGLE-3 trees grow depth by depth: each frontier node is one row of a batched drafter step
+A model drafter's trees grow depth by depth: each frontier node is one row of a batched drafter step
 (its own copy of the drafter's KV cache, gathered from its parent's), its children are the
 best `top_k` of all frontier children by cumulative draft probability, and every candidate
 seen is kept for the final rerank. Medusa trees take the Cartesian product of the heads'
@@ -103,7 +103,7 @@ class Tree:
 
 @torch.no_grad()
 def eagle_tree(feeder: EagleFeeder, depth: int, top_k: int) -> Tree:
-    """Grow an EAGLE-3 draft tree for batch row 0 from the feeder's newest state (after `absorb()`)."""
+    """Grow a model drafter's draft tree for batch row 0 from the feeder's newest state (after `absorb()`)."""
     d2t = feeder._d2t
     logp = feeder.logits[0, 0].float().log_softmax(-1)  # the root's children
     val, ids = logp.topk(top_k)

@@ -83,8 +83,8 @@ def grow_sampled(root_q: torch.Tensor, expand: Expand, depth: int, top_k: int, v
 @torch.no_grad()
 def eagle_tree_sampled(feeder: EagleFeeder, depth: int, top_k: int, temperature: float, verify_cost: list[float],
                        generator: torch.Generator | None) -> Tree:
-    """A sampled EAGLE-3 tree for batch row 0 (an EagleFeeder after absorb()); q is drawn in the draft vocabulary's
-    softmax and placed on the target's ids through d2t (no full-vocabulary softmax)."""
+    """A sampled model drafter's tree for batch row 0 (an EagleFeeder after absorb()); q is drawn in the draft
+    vocabulary's softmax and placed on the target's ids through d2t (no full-vocabulary softmax)."""
     d2t = feeder._d2t
     vocab = feeder.drafter.config.vocab_size
 
