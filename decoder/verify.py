@@ -64,10 +64,11 @@ def sample(p: torch.Tensor, generator: torch.Generator | None = None, n: int | N
 
     Inverse CDF: a uniform u scaled to the row's total lands in token i's interval [cdf[i-1], cdf[i]) with
     probability p[i] / total, the distribution `torch.multinomial(p, n, replacement=True)` draws from. Why not
-    multinomial: on CPU it costs 190 us for one draw over 8192 tokens (63 us over 2048) against ~25 us here,
-    and the loop draws once per round and once per sampled draft step. The CDF runs in float64 so that a
-    vocabulary's worth of float32 terms adds up without drift; a token of zero weight has an empty interval and
-    is never drawn (u * total can round up to the total itself: that clamps to the last token of weight > 0)."""
+    multinomial: on CPU it is several times slower than this, and the loop draws once per round and once per
+    sampled draft step (measured: docs/design.md, "Decoder: measurements behind the code"). The CDF runs in
+    float64 so that a vocabulary's worth of float32 terms adds up without drift; a token of zero weight has an
+    empty interval and is never drawn (u * total can round up to the total itself: that clamps to the last token
+    of weight > 0)."""
     cdf = p.double().cumsum(-1)
     total = cdf[..., -1:].contiguous()
     u = torch.rand((*p.shape[:-1], n or 1), generator=generator, device=p.device, dtype=torch.float64)
@@ -80,7 +81,9 @@ def verify_chain_greedy(drafts: torch.Tensor, k_rows: list[int],
                         logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """drafts [B, n] (row r offers its first k_rows[r]), logits [B, n + 1, V] -> (drafts accepted per row, next
     token per row): the longest prefix equal to the target's argmax, then the argmax after it."""
-    if drafts.shape[0] == 1:  # one argmax and a list walk: a third of the tensor path's time at batch 1
+    # batch 1: one argmax and a list walk, faster than the tensor path
+    # (measured: docs/design.md, "Decoder: measurements behind the code")
+    if drafts.shape[0] == 1:
         best = logits[0].argmax(-1).tolist()
         d, n = drafts[0, : max(k_rows[0], 0)].tolist(), 0
         while n < len(d) and d[n] == best[n]:

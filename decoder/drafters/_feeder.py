@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter as a bus subscriber: features in, drafts out.
+"""A model drafter as a bus subscriber (EAGLE-3, the MTP block): features in, drafts out.
 
     feeder = EagleFeeder(drafter, session.endpoint)      # or RemoteEagle(address): the same Feeder protocol
     feeder.prepare(batch, max_len)
@@ -6,7 +6,7 @@
 
 `feeds` lists the forwards since the last call as (step, start [B], end [B]): row r
 accepted positions start[r]..end[r] of forward `step`. The feeder takes those rows of
-the three `resid_pre` captures off the bus, runs the drafter over all of them at once
+the drafter's captures (EAGLE-3's three `resid_pre`) off the bus, runs the drafter over all of them at once
 (lazily: a round that does not draft costs only the bus), then proposes up to k tokens
 by feeding its own output back, one step at a time, stopping when `plan` says another
 step would not pay. With k = 0 it only drains the bus.
@@ -15,6 +15,7 @@ step would not pay. With k = 0 it only drains the bus.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -161,8 +162,9 @@ class EagleFeeder:
     def _copy_run(self, cap: probe.Capture, s: int, e: int, c0: int, c1: int) -> bool:
         """Batch 1: copy the capture's rows at positions s..e into columns c0:c1 of the features as one slice,
         if its rows are one sequence at consecutive positions (a verify or prefill forward); False otherwise
-        (the masked copy then handles it). The masks and index tensors of the general copy were half of a
-        round's feature intake at batch 1 (351 -> 167 us per round in the loop, 2-core VM)."""
+        (the masked copy then handles it). The masks and index tensors of the general copy were a large share
+        of a round's feature intake at batch 1 (measured: docs/design.md, "Decoder: measurements behind the
+        code")."""
         pos = cap.positions.tolist()
         n = len(pos)
         if not n or pos != list(range(pos[0], pos[0] + n)) or cap.seq_ids.tolist().count(self.seq_base) != n:
@@ -200,7 +202,7 @@ class EagleFeeder:
                      torch.tensor([e]), lambda x: x[:, -1:])
 
     def _run_to(self, hidden: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, end: torch.Tensor,
-                pick) -> None:  # noqa: ANN001
+                pick: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Run the drafter over the positions (up to `end` per row) and keep `pick`'s position per row (the
         newest) as the state drafting starts from. A step with a separate head (EAGLE-3's) runs its norm and LM
         head only there."""

@@ -7,7 +7,7 @@
     path, nxt = verify_tree_greedy(tree, logits)      # T > 0: trees drawn from q, see _tree_sample.py
     keep_path(cache, cols, path)                      # the KV cache keeps the accepted branch only
 
-EAGLE-3 trees grow depth by depth: each frontier node is one row of a batched drafter step
+A model drafter's trees grow depth by depth: each frontier node is one row of a batched drafter step
 (its own copy of the drafter's KV cache, gathered from its parent's), its children are the
 best `top_k` of all frontier children by cumulative draft probability, and every candidate
 seen is kept for the final rerank. Medusa trees take the Cartesian product of the heads'
@@ -25,11 +25,17 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 
 from ..forward._kv import GrowingLayer
+
+if TYPE_CHECKING:  # types only: the feeders stay unimported here (no import cycle)
+    from ._eagle import DraftCache
+    from ._feeder import EagleFeeder
+    from ._medusa import MedusaFeeder
 
 
 @dataclass
@@ -96,8 +102,8 @@ class Tree:
 
 
 @torch.no_grad()
-def eagle_tree(feeder, depth: int, top_k: int) -> Tree:  # noqa: ANN001 - an EagleFeeder after absorb()
-    """Grow an EAGLE-3 draft tree for batch row 0 from the feeder's newest state."""
+def eagle_tree(feeder: EagleFeeder, depth: int, top_k: int) -> Tree:
+    """Grow a model drafter's draft tree for batch row 0 from the feeder's newest state (after `absorb()`)."""
     d2t = feeder._d2t
     logp = feeder.logits[0, 0].float().log_softmax(-1)  # the root's children
     val, ids = logp.topk(top_k)
@@ -128,7 +134,7 @@ def eagle_tree(feeder, depth: int, top_k: int) -> Tree:  # noqa: ANN001 - an Eag
     return tree
 
 
-def _rows(cache, rows: list[int]):  # noqa: ANN001, ANN202 - a DraftCache
+def _rows(cache: DraftCache, rows: list[int]) -> DraftCache:
     """A copy of the drafter cache holding the given rows (a frontier node's copy of its parent's cache)."""
     out = object.__new__(type(cache))
     idx = torch.tensor(rows, device=cache.k.device)
@@ -137,7 +143,7 @@ def _rows(cache, rows: list[int]):  # noqa: ANN001, ANN202 - a DraftCache
 
 
 @torch.no_grad()
-def medusa_tree(feeder, depth: int, top_k: int, limit: int = 64) -> Tree:  # noqa: ANN001 - a MedusaFeeder
+def medusa_tree(feeder: MedusaFeeder, depth: int, top_k: int, limit: int = 64) -> Tree:
     """Best-first product of the Medusa heads' top tokens for batch row 0, at most `limit` nodes."""
     probs = feeder.heads(feeder.h[:1])[0].float().softmax(-1)  # [K, V]
     depth = min(depth, probs.shape[0])

@@ -23,11 +23,16 @@ measured verify-cost curve.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..verify import sample
 from ._tree import Tree, _rows
+
+if TYPE_CHECKING:  # types only: the feeders stay unimported here (no import cycle)
+    from ._feeder import EagleFeeder
+    from ._medusa import MedusaFeeder
 
 # expand(tokens of the new frontier, index of each one's parent in the previous frontier, depth) -> q [F, V]
 Expand = Callable[[list[int], list[int], int], torch.Tensor]
@@ -76,10 +81,10 @@ def grow_sampled(root_q: torch.Tensor, expand: Expand, depth: int, top_k: int, v
 
 
 @torch.no_grad()
-def eagle_tree_sampled(feeder, depth: int, top_k: int, temperature: float, verify_cost: list[float],  # noqa: ANN001
+def eagle_tree_sampled(feeder: EagleFeeder, depth: int, top_k: int, temperature: float, verify_cost: list[float],
                        generator: torch.Generator | None) -> Tree:
-    """A sampled EAGLE-3 tree for batch row 0 (an EagleFeeder after absorb()); q is drawn in the draft vocabulary's
-    softmax and placed on the target's ids through d2t (no full-vocabulary softmax)."""
+    """A sampled model drafter's tree for batch row 0 (an EagleFeeder after absorb()); q is drawn in the draft
+    vocabulary's softmax and placed on the target's ids through d2t (no full-vocabulary softmax)."""
     d2t = feeder._d2t
     vocab = feeder.drafter.config.vocab_size
 
@@ -102,7 +107,7 @@ def eagle_tree_sampled(feeder, depth: int, top_k: int, temperature: float, verif
 
 
 @torch.no_grad()
-def medusa_tree_sampled(feeder, depth: int, top_k: int, temperature: float, verify_cost: list[float],  # noqa: ANN001
+def medusa_tree_sampled(feeder: MedusaFeeder, depth: int, top_k: int, temperature: float, verify_cost: list[float],
                         generator: torch.Generator | None) -> Tree:
     """A sampled Medusa tree for batch row 0: head d's distribution is every depth-d node's q."""
     q = (feeder.heads(feeder.h[:1])[0].float() / temperature).softmax(-1)  # [K, V]

@@ -6,11 +6,9 @@
 transformers' SDPA attention copies each K/V head `num_key_value_groups` times (`repeat_kv`) whenever a
 forward has an attention mask and more than one token, which every verify forward of the loop has (its
 additive 4-D mask, a tree's mask, a batch's padding). torch's SDPA takes `enable_gqa=True` and reads the
-shared heads itself. On the default target (3 query heads, 1 K/V head) a verify forward of 3 / 6 / 9 tokens
-after 300 cached ones took 5.66 / 6.02 / 6.45 ms against 5.72 / 6.14 / 6.56 (median of 60, 4 interleaved
-trials, 2-core VM; timed through TRANSFORMERS_SDPA_FORCE_GQA=1, transformers' process-wide switch to the
-same call), logits bit for bit the same. In the loop, batch 1 greedy, 24 prompts x 96 tokens x 2 repeats:
-auto 1.72x against 1.69x (stdlib), 1.88x against 1.82x (third-party), 24/24 identical.
+shared heads itself. On the default target (3 query heads, 1 K/V head) that makes a verify forward and the
+loop a little faster, with logits bit for bit the same (measured: docs/design.md, "Decoder: measurements
+behind the code").
 
 The target's config names the attention implementation its layers call; during the loop's forwards it
 names this one (registered with the masks of "sdpa", so transformers builds the same masks), and it is
@@ -60,7 +58,9 @@ def gqa_attention(config: object) -> Iterator[None]:
     if own.get("_attn_implementation_internal") != "sdpa" or getattr(config, "sub_configs", None):
         yield
         return
-    own["_attn_implementation_internal"] = KEY  # the property's setter walks sub-configs: ~2 us a forward
+    # not the property: its setter walks sub-configs, on every forward
+    # (measured: docs/design.md, "Decoder: measurements behind the code")
+    own["_attn_implementation_internal"] = KEY
     try:
         yield
     finally:

@@ -6,9 +6,9 @@
 
 `DynamicLayer.update` concatenates: every forward copies each layer's whole K and V to add one
 token, and a crop slices. On the default target that is 16 `torch.cat` a step over the full
-context, ~0.35 ms of a ~5 ms one-token forward at ~300 cached tokens (2-core VM). A
-`GrowingLayer` keeps one buffer per layer with room ahead, writes the new columns into it, and
-hands attention a view of the filled part; a crop only moves the length back (the next forward
+context, a visible share of a one-token forward (measured: docs/design.md, "Decoder: measurements
+behind the code"). A `GrowingLayer` keeps one buffer per layer with room ahead, writes the new columns
+into it, and hands attention a view of the filled part; a crop only moves the length back (the next forward
 writes over the dropped columns). Same logits bit for bit (the same values at the same places).
 
 Anything that assigns `layer.keys` / `layer.values` (transformers' batch select and offloading)

@@ -6,23 +6,19 @@
 
 Why: on the CPU, `F.linear` with more than one row packs the weight into the GEMM kernel's
 layout on every call. For the default target's tied 8192 x 192 head that repacking is most
-of the cost: measured on the 2-core VM (1 thread, median of 200), one row 272 us, but 2 rows
-478 us, 6 rows 1100 us, 25 rows 2709 us; with the weight packed once, 170, 234 and 1070 us.
-The target's other large layers pay the same in proportion (small ones do not: `MIN_ELEMENTS`): a
-6-token forward of the default target took 7.21 ms with the head packed against 6.50 ms with its
-MLP projections packed too (1 thread, median of 300 interleaved; design notes, "Verify's linear
+of the cost. The target's other large layers pay the same in proportion (small ones do not:
+`MIN_ELEMENTS`), so their MLP projections are packed with the head (design notes, "Verify's linear
 layers").
 
-Every forward of the loop goes through the packed weights, one-token steps included: a one-token
-forward of the default target took 5.0-5.1 ms packed against 5.5 ms (batch 1) and 6.7 against 8.5 ms
-(batch 8; 8 rows through the 8192 x 192 head repack it on every call), median of 60 steps in 5
-interleaved repeats, 2-core VM. At a single row (batch 1, one token) only the head is packed: there
-F.linear is a matrix-vector product with nothing to repack, and faster than oneDNN (`MIN_ELEMENTS`).
+Every forward of the loop goes through the packed weights, one-token steps included (at batch 8 a
+step's 8 rows through the 8192 x 192 head would repack it on every call). At a single row (batch 1,
+one token) only the head is packed: there F.linear is a matrix-vector product with nothing to repack,
+and faster than oneDNN (`MIN_ELEMENTS`).
 Packed and unpacked differ by a few ulps, no more than `F.linear` itself between 1 and 6 rows: a
 greedy token can differ from `generate`'s only where the target's top two logits tie to within that,
-as for any verify of several tokens. Until 2026-12-04 greedy calls kept `F.linear` for their one-token
-steps, bit for bit `generate`'s, and their plain rounds ran 0.92-0.93x `generate` at batch 8 (README,
-design notes "Verify's linear layers"); `packed="none"` still does that.
+as for any verify of several tokens. `packed="none"` keeps `F.linear` for one-token steps, bit for bit
+`generate`'s but slower, as greedy calls did before (README, design notes "Verify's linear layers")
+(measured: docs/design.md, "Decoder: measurements behind the code").
 
 A layer is left alone while anything else wraps or hooks it (a probe on `logits`), and repacked when its
 weight changes. The packed copies cost the weights' size again in memory: past `max_bytes` (1 GiB) of
@@ -33,7 +29,7 @@ packed="head")`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -42,15 +38,15 @@ from torch import nn
 from ._attention import gqa_attention
 
 WHICH = ("all", "head", "none")
-# Below this many weights oneDNN's fixed cost per call (~15 us) outweighs the repacking it saves: 6 rows through
-# 192 x 192, F.linear 14 us against 22 packed, 640 x 192 40 against 36, 8192 x 192 968 against 353 (1 thread,
-# median of 1500). In the default target's forward of 6 tokens: 6.50 ms packing the gate/up/down projections and
-# the head, 6.88 ms packing every layer, 7.21 ms the head alone (median of 300 interleaved).
+# Below this many weights oneDNN's fixed cost per call outweighs the repacking it saves: small layers keep
+# F.linear. In the default target's forward of several tokens, packing the gate/up/down projections and the head
+# beats packing every layer and packing the head alone (measured: docs/design.md, "Decoder: measurements behind
+# the code").
 MIN_ELEMENTS = 65536
 # A single row is a matrix-vector product, which F.linear does without repacking anything: there the MLP's
-# 640 x 192 projections took 12.8 us against 23.9 packed (2 threads, median of 5 x 2000), and a batch-1 one-token
-# forward of the default target 5.17 ms with them on F.linear against 5.38 ms packed (median of 150 interleaved).
-# The LM head stays packed at one row too (76 us against 189).
+# projections are faster on F.linear than packed, alone and in a batch-1 one-token forward of the default target.
+# The LM head stays packed at one row too, where packed is the faster (measured: docs/design.md, "Decoder:
+# measurements behind the code").
 
 
 def _ops_available() -> bool:
@@ -83,15 +79,16 @@ class PackedLinears:
         layers = [m for m in target.modules() if _packable(m) and m.weight.numel() >= MIN_ELEMENTS] \
             if which == "all" else []
         if sum(m.weight.numel() * 4 for m in layers) > max_bytes:
-            layers = []  # a big model on the CPU: a second copy of every weight is not worth ~10 %
+            layers = []  # a big model on the CPU: a second copy of every weight is not worth what it saves
         config = getattr(target, "config", None)
         if layers:
             return cls(layers, "all", head, config)
         return cls([head], "head", head, config) if _packable(head) else None
 
     def refresh(self) -> None:
-        """Repack the weights that changed since they were packed (once per call of the loop, not per round:
-        checking all 57 layers of the default target every round cost ~250 us)."""
+        """Repack the weights that changed since they were packed, once per call of the loop, not per round:
+        checking all 57 layers of the default target every round cost too much of a round (measured:
+        docs/design.md, "Decoder: measurements behind the code")."""
         for i, layer in enumerate(self.layers):
             w = layer.weight
             key = (w.data_ptr(), w._version, tuple(w.shape))
@@ -112,7 +109,9 @@ class PackedLinears:
             own = layer.__dict__
             if "forward" in own or layer._forward_hooks or layer._forward_pre_hooks:
                 continue  # someone else's tap or hook (a probe on `logits`): as it is
-            own["forward"] = forward  # the instance dict itself: nn.Module.__setattr__ costs ~2 us a call
+            # the instance dict itself: nn.Module.__setattr__ is slower
+            # (measured: docs/design.md, "Decoder: measurements behind the code")
+            own["forward"] = forward
             swapped.append(own)
         try:
             with gqa_attention(self.config):
@@ -122,12 +121,12 @@ class PackedLinears:
                 del own["forward"]
 
 
-def _pointwise_op():  # noqa: ANN202
+def _pointwise_op() -> Callable[..., torch.Tensor]:
     """oneDNN's linear over a packed weight (looked up when a layer is packed: a test can watch it)."""
     return torch.ops.mkldnn._linear_pointwise
 
 
-def _packed_forward(layer: nn.Linear, every_row: bool = True):  # noqa: ANN202
+def _packed_forward(layer: nn.Linear, every_row: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
     """The layer's forward over its weight packed now: oneDNN for fp32 [batch, len, in], else F.linear. With
     `every_row` False a single row (a batch-1 one-token step) takes F.linear (see MIN_ELEMENTS)."""
     packed, weight, bias = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 8), layer.weight, layer.bias
