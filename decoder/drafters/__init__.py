@@ -18,7 +18,8 @@ from ._named import NAMES as DRAFTER_NAMES
 from ._named import load_named_drafter, tree_nodes
 from ._ngram import NgramDrafter, NgramIndex
 from ._remote import RemoteEagle, serve_drafter
-from ._tree import Tree
+from ._tree import Tree, eagle_tree, keep_path, medusa_tree, tree_attention
+from ._tree_sample import eagle_tree_sampled, grow_sampled, medusa_tree_sampled
 
 __all__ = [
     "check_against_target", "ConfidenceHead", "default_aux_layers", "DraftCache", "DRAFTER_NAMES", "DrafterError",
@@ -27,5 +28,6 @@ __all__ = [
     "LayerSkipDrafter", "load_drafter", "load_dspark", "load_layer_skip", "load_medusa", "load_mtp",
     "load_named_drafter", "MedusaConfig", "MedusaFeeder", "MedusaHeads", "MTPAttnDrafter", "MTPConfig", "MTPFeeder",
     "MTPHead", "NgramDrafter", "NgramIndex", "RemoteEagle", "resolve_drafter_path", "save_drafter", "save_dspark",
-    "save_medusa", "save_mtp", "save_mtp_attn", "serve_drafter", "Tree", "tree_nodes",
+    "save_medusa", "save_mtp", "save_mtp_attn", "serve_drafter", "Tree", "tree_nodes", "eagle_tree", "keep_path",
+    "medusa_tree", "tree_attention", "eagle_tree_sampled", "grow_sampled", "medusa_tree_sampled",
 ]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..schedule._sched import DraftPlan
+from ..schedule import DraftPlan
 from ..verify import sample
 
 

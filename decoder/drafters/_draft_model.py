@@ -28,7 +28,7 @@ from transformers.masking_utils import create_causal_mask
 
 from ..forward._compat import cache_kw
 from ..forward._kv import GrowingCache
-from ..schedule._sched import DraftPlan
+from ..schedule import DraftPlan
 from ._chain import draft_chain
 from ._feeder import Drafts, Feed
 

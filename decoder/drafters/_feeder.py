@@ -23,7 +23,7 @@ import torch
 
 import probe
 
-from ..schedule._sched import DraftPlan
+from ..schedule import DraftPlan
 from ..verify import sample
 from ._eagle import Eagle3Drafter
 
@@ -92,9 +92,9 @@ class EagleFeeder:
         self.sites = feature_sites(drafter)  # EAGLE-3's three resid_pre layers; the MTP block's final_norm
         self._slot = {s: i for i, s in enumerate(self.sites)}
         self.sub: probe.Subscriber | None = None
-        self._d2t = drafter.draft_to_target_ids()
-        self._step = drafter.fast()
-        self._body = getattr(self._step, "body", None)  # EAGLE-3's step: layer and head apart
+        self.d2t = drafter.draft_to_target_ids()  # target id of each draft id (the tree builders read it too)
+        self.step = drafter.fast()  # the drafter's step (the tree builders run it on their frontier rows)
+        self._body = getattr(self.step, "body", None)  # EAGLE-3's step: layer and head apart
         if endpoint is not None:
             self.connect(endpoint)
 
@@ -209,9 +209,9 @@ class EagleFeeder:
         span = int(end.max()) + 1
         if self._body is not None:
             self.h = pick(self._body(hidden, ids, pos, self.cache, span))
-            self.hn, self.logits = self._step.head(self.h)
+            self.hn, self.logits = self.step.head(self.h)
         else:
-            self.h, self.hn, self.logits = (pick(x) for x in self._step(hidden, ids, pos, self.cache, span))
+            self.h, self.hn, self.logits = (pick(x) for x in self.step(hidden, ids, pos, self.cache, span))
         self.fed_end = end
         self.lo = None
         self.ready = True
@@ -264,7 +264,7 @@ class EagleFeeder:
                 conf = head.score(hn[:, 0], lg, i)
             else:  # no head: the drafter's own probability of its top token
                 conf = (lg.float().max(-1).values - torch.logsumexp(lg.float(), -1)).exp()
-            tok = self._d2t[did]
+            tok = self.d2t[did]
             tokens.append(tok)
             ids.append(did)
             confs.append(conf)
@@ -273,7 +273,7 @@ class EagleFeeder:
             if prefix is not None and not plan.add_step(prefix, cum, conf.tolist()):
                 break
             t_step = time.perf_counter()
-            h, hn, logits = self._step(h, tok[:, None], pos0[:, None] + i, self.cache, span + i)
+            h, hn, logits = self.step(h, tok[:, None], pos0[:, None] + i, self.cache, span + i)
             stepping += time.perf_counter() - t_step
         # One more draft costs a step plus a draft's own bookkeeping; the intake and catch-up before the loop
         # are what a consult costs, not a longer draft (spread over the steps, they had doubled the estimate).

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..schedule._cost import CostModel
+from ..schedule import CostModel
 from ._draft_model import LayerSkipDrafter, early_exit_view
 
 

@@ -31,7 +31,7 @@ from torch import nn
 
 import probe
 
-from ..schedule._sched import DraftPlan
+from ..schedule import DraftPlan
 from ..verify import sample
 from ._feeder import Drafts, Feed, tree_positions
 

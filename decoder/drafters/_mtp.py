@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..schedule._sched import DraftPlan
+from ..schedule import DraftPlan
 from ._chain import draft_chain
 from ._eagle import RMSNorm
 from ._feeder import Drafts, Feed

@@ -34,7 +34,7 @@ import zmq
 from probe._curve import admit_only, curve_settings, subscriber_keys
 from probe._endpoint import check_endpoint
 
-from ..schedule._sched import DraftPlan
+from ..schedule import DraftPlan
 from ._eagle import Eagle3Drafter
 from ._feeder import Drafts, EagleFeeder, Feed, feature_sites
 from ._remote_checks import MAX_MESSAGE_BYTES, MAX_PREPARE_BYTES, Refused, check_request, trusted_peer

@@ -104,7 +104,7 @@ class Tree:
 @torch.no_grad()
 def eagle_tree(feeder: EagleFeeder, depth: int, top_k: int) -> Tree:
     """Grow a model drafter's draft tree for batch row 0 from the feeder's newest state (after `absorb()`)."""
-    d2t = feeder._d2t
+    d2t = feeder.d2t
     logp = feeder.logits[0, 0].float().log_softmax(-1)  # the root's children
     val, ids = logp.topk(top_k)
     tree = Tree(d2t[ids].tolist(), [-1] * top_k, [1] * top_k, val.exp().tolist())
@@ -117,7 +117,7 @@ def eagle_tree(feeder: EagleFeeder, depth: int, top_k: int) -> Tree:
     for d in range(1, depth):
         toks = torch.tensor([tree.tokens[i] for i in front], device=h.device)[:, None]  # target ids
         where = torch.full((len(front), 1), pos + d - 1, device=h.device)
-        h, _, logits = feeder._step(h, toks, where, cache, span + d - 1)
+        h, _, logits = feeder.step(h, toks, where, cache, span + d - 1)
         child = logits[:, 0].float().log_softmax(-1) + front_lp[:, None]  # [F, Vd] cumulative
         val, flat = child.flatten().topk(min(top_k * top_k, child.numel()))
         rows, ids = flat // child.shape[1], flat % child.shape[1]

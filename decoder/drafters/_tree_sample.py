@@ -85,7 +85,7 @@ def eagle_tree_sampled(feeder: EagleFeeder, depth: int, top_k: int, temperature:
                        generator: torch.Generator | None) -> Tree:
     """A sampled model drafter's tree for batch row 0 (an EagleFeeder after absorb()); q is drawn in the draft
     vocabulary's softmax and placed on the target's ids through d2t (no full-vocabulary softmax)."""
-    d2t = feeder._d2t
+    d2t = feeder.d2t
     vocab = feeder.drafter.config.vocab_size
 
     def q_of(logits: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ def eagle_tree_sampled(feeder: EagleFeeder, depth: int, top_k: int, temperature:
         h, cache = state["h"][rows], _rows(state["cache"], rows)  # each node continues its parent's row
         toks = torch.tensor(tokens, device=h.device)[:, None]
         where = torch.full((len(tokens), 1), pos + d - 1, device=h.device)
-        state["h"], _, logits = feeder._step(h, toks, where, cache, pos + d)
+        state["h"], _, logits = feeder.step(h, toks, where, cache, pos + d)
         state["cache"] = cache
         return q_of(logits[:, 0])
 

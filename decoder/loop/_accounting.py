@@ -10,8 +10,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..drafters._tree import Tree
-    from ..schedule._cost import CostModel
+    from ..drafters import Tree
+    from ..schedule import CostModel
     from ._drafting import RoundDrafts
     from ._run import Run
 

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import verify
-from ..drafters._feeder import Drafts, Feeder
-from ..schedule._cost import CostModel
-from ..schedule._sched import Choice, DraftPlan, Scheduler
+from ..drafters import Drafts, Feeder
+from ..schedule import Choice, CostModel, DraftPlan, Scheduler
 from ._drafters import ModelDrafters
 from ._run import Run
 from ._target import Target

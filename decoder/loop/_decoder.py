@@ -34,11 +34,8 @@ import torch
 from torch import nn
 
 from .. import verify
-from ..drafters._eagle import Eagle3Drafter
-from ..drafters._feeder import Feeder
-from ..drafters._medusa import MedusaFeeder
-from ..drafters._ngram import NgramDrafter
-from ..schedule._cost import NGRAM_PATHS, PATHS, CostModel
+from ..drafters import Eagle3Drafter, Feeder, MedusaFeeder, NgramDrafter
+from ..schedule import NGRAM_PATHS, PATHS, CostModel
 from ._accounting import account
 from ._chain_round import RoundDrafts, draft_round, forward_round, plan_round, verify_round
 from ._drafters import ModelDrafters
@@ -99,7 +96,7 @@ class SpeculativeDecoder:
         self.target = Target(target, packed, session=None)
         if drafter == "auto":
             if model_drafter is None:
-                from ..drafters._checkpoint import DrafterError, load_drafter
+                from ..drafters import DrafterError, load_drafter
 
                 with contextlib.suppress(DrafterError):
                     model_drafter = load_drafter("default", target)

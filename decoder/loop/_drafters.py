@@ -20,9 +20,8 @@ from torch import nn
 
 import probe
 
-from ..drafters._eagle import Eagle3Drafter
-from ..drafters._feeder import EagleFeeder, Feeder, feature_sites
-from ..schedule._sched import Scheduler
+from ..drafters import Eagle3Drafter, EagleFeeder, Feeder, feature_sites
+from ..schedule import Scheduler
 from ._run import Run
 
 

@@ -30,13 +30,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..drafters._tree import Tree
-from ..schedule._sched import ALTERNATIVES
+from ..drafters import Tree
+from ..schedule import ALTERNATIVES
 from ._accounting import account_tree, calibrate
 from ._tree_round import verify_tree
 
 if TYPE_CHECKING:
-    from ..schedule._cost import CostModel
+    from ..schedule import CostModel
     from ._chain_round import RoundDrafts
     from ._run import Run
     from ._target import Target

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..schedule._cost import CostModel
+from ..schedule import CostModel
 from ..verify import sample, target_probs, verify_chain_greedy, verify_chain_sampled
 from ._stats import SpecStats
 from ._target import then_sync

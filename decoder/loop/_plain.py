@@ -32,7 +32,7 @@ from ._run import Run, check_call, eos_list, through_eos
 from ._stats import SpecOutput, SpecStats
 
 if TYPE_CHECKING:
-    from ..schedule._cost import CostModel
+    from ..schedule import CostModel
     from ._target import Target
 
 # generation-config fields that never change the tokens: kept as the model sets them

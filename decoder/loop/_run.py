@@ -17,11 +17,11 @@ import torch
 
 from ..forward._kv import GrowingCache
 from ..forward._mask import causal_block
-from ..schedule._sched import RowFix, Scheduler
+from ..schedule import RowFix, Scheduler
 from ._stats import SpecStats
 
 if TYPE_CHECKING:
-    from ..drafters._ngram import NgramIndex
+    from ..drafters import NgramIndex
 
 
 def through_eos(tokens: list[int], eos: set[int] | list[int]) -> list[int]:

@@ -26,7 +26,7 @@ from ..forward._compat import cache_kw
 from ..forward._packed import PackedLinears
 
 if TYPE_CHECKING:
-    from ..schedule._cost import CostModel
+    from ..schedule import CostModel
     from ._run import Run
 
 

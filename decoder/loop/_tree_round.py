@@ -19,10 +19,18 @@ import time
 import torch
 
 from .. import verify
-from ..drafters._feeder import EagleFeeder, Feeder
-from ..drafters._tree import Tree, eagle_tree, keep_path, medusa_tree, tree_attention
-from ..drafters._tree_sample import eagle_tree_sampled, medusa_tree_sampled
-from ..schedule._cost import CostModel
+from ..drafters import (
+    EagleFeeder,
+    Feeder,
+    Tree,
+    eagle_tree,
+    eagle_tree_sampled,
+    keep_path,
+    medusa_tree,
+    medusa_tree_sampled,
+    tree_attention,
+)
+from ..schedule import CostModel
 from ._accounting import account_tree
 from ._run import Run
 from ._target import Target

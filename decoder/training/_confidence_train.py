@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..drafters._confidence import MAX_STEPS, N_STATS, ConfidenceHead
-from ..drafters._eagle import Eagle3Drafter
+from ..drafters import Eagle3Drafter
+from ..drafters._confidence import MAX_STEPS, N_STATS, ConfidenceHead  # its input layout too
 from ._train import load_sequences, ttt_chain, windows
 
 

@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..drafters._checkpoint import save_drafter
-from ..drafters._eagle import Eagle3Config, Eagle3Drafter
+from ..drafters import Eagle3Config, Eagle3Drafter, save_drafter
 
 
 @dataclass

@@ -23,14 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..drafters._medusa import MedusaConfig, MedusaHeads, save_medusa
+from ..drafters import MedusaConfig, MedusaHeads, save_medusa
 from ._train import holdout_count, load_site_sequences
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..drafters._dspark import DSparkHead
-    from ..drafters._mtp import MTPHead
+    from ..drafters import DSparkHead, MTPHead
 
 
 @dataclass
@@ -258,7 +257,7 @@ def mtp_acceptance(head: MTPHead, feats: torch.Tensor, toks: torch.Tensor) -> di
 def train_mtp(target: nn.Module, recording: str | Path, out: str | Path, cfg: MTPTrainConfig | None = None, *,
               resume: bool = True, progress: bool = True) -> dict:
     """Train and save an MTP head (flat, or clustered with cfg.clusters > 0) from `final_norm` recordings."""
-    from ..drafters._mtp import MTPConfig, MTPHead, save_mtp
+    from ..drafters import MTPConfig, MTPHead, save_mtp
 
     cfg = cfg or MTPTrainConfig()
     if cfg.attention:
@@ -294,7 +293,7 @@ def _train_mtp_attn(target: nn.Module, recording: str | Path, out: str | Path, c
     its chain's start and to its own earlier steps), on windows of the recorded sequences."""
     from types import SimpleNamespace
 
-    from ..drafters._mtp_attn import MTPAttnDrafter, save_mtp_attn
+    from ..drafters import MTPAttnDrafter, save_mtp_attn
     from ._train import _batch, heldout_acceptance, ttt_loss
 
     out, train, held = _prepare(recording, out, 8, cfg.holdout, cfg.seed)
@@ -371,7 +370,7 @@ def dspark_acceptance(head: DSparkHead, feats: torch.Tensor, toks: torch.Tensor)
 def train_dspark(target: nn.Module, recording: str | Path, out: str | Path, cfg: DSparkTrainConfig | None = None, *,
                  resume: bool = True, progress: bool = True) -> dict:
     """Train and save a DSpark head from `final_norm` recordings."""
-    from ..drafters._dspark import DSparkConfig, DSparkHead, save_dspark
+    from ..drafters import DSparkConfig, DSparkHead, save_dspark
 
     cfg = cfg or DSparkTrainConfig()
     out, train, held = _prepare(recording, out, cfg.positions + 3, cfg.holdout, cfg.seed)
