@@ -14,7 +14,7 @@ made between steps: a step is the worker's `execute_model` and `sample_tokens` (
 with the probe's step identity, hooks and step end inside it, and the sampling). The switch
 happens between the timestamps, so it is not counted. `a/a` switches nothing: the method's
 own bias. `probebus-hooks` copies every capture inside its hook (no decode step deferred to
-its end, `probe/_vllm_defer.py`): what the deferral gains, in the same run. vLLM's worker
+its end, `probe/vllm/_defer.py`): what the deferral gains, in the same run. vLLM's worker
 computes on core 0 (VLLM_CPU_OMP_THREADS_BIND=0); the draining subscriber, ZeroMQ's I/O
 thread and the rest of this process run on the other cores.
 The engine's own work between steps (scheduling, output processing) is untouched by a

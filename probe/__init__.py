@@ -14,7 +14,7 @@ Internals, in the order a capture meets them: `_arch` / `_sites` (where each sit
 hooked), `_session` (attach and the public API), `_hooks` (the hooks: the hot path),
 `_identity` (whose token each row is), `_copy` (rows into a message, staging ring for
 large ones), `_publisher` (the socket: policies, subscribers, end of stream), `_wire`
-(the frames), `_subscriber`; `vllm` / `_vllm_worker` for vLLM engines. The README's
+(the frames), `_subscriber`; the `vllm` package for vLLM engines. The README's
 design notes explain why each is the way it is.
 """
 

@@ -113,9 +113,9 @@ def _ident(batch: int, seq_len: int = 1):  # noqa: ANN202
 
 def test_vllm_steps_defer_only_after_a_check_on_the_engine_and_an_in_place_write_turns_deferral_off() -> None:
     """vLLM runs under inference_mode (no version counters): whether its kernels write into a captured tensor
-    after the hook is checked on the running engine (`probe/_vllm_defer.py`), per batch size."""
+    after the hook is checked on the running engine (`probe/vllm/_defer.py`), per batch size."""
     from probe._sites import SiteKey
-    from probe._vllm_defer import EVERY, Deferral
+    from probe.vllm._defer import EVERY, Deferral
 
     key = SiteKey.of("layers.0.resid_post")
     defer = Deferral(enabled=True)

@@ -446,7 +446,7 @@ def test_a_subscriber_that_reconnects_in_a_loop_does_not_keep_a_closed_session_o
 PINNED = textwrap.dedent("""
     import json, os, sys
     from probe._publisher import Publisher
-    from probe._vllm_worker import spare_cpus
+    from probe.vllm._worker import spare_cpus
     os.sched_setaffinity(0, {0})  # as a vLLM CPU worker binds itself to its OpenMP core
     before = set(os.listdir("/proc/self/task"))
     cpus = spare_cpus() if sys.argv[1] == "spare" else {4096} if sys.argv[1] == "bogus" else None

@@ -40,7 +40,7 @@ from operator import add, lt
 import numpy as np
 import torch
 
-from ._identity import DECODE, PREFILL, StepIdentity
+from .._identity import DECODE, PREFILL, StepIdentity
 
 MAX_REQUESTS = 10_000  # request-map entries kept (oldest dropped first), and sent in the session info
 
