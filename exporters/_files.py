@@ -26,10 +26,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ._batch import BatchBuilder, Key, Slab, SlabInfo, covers
-from ._schema import PARTIAL_PREFIX, PARTIAL_SUFFIX, dtype_name, file_name, recording_schema
+from ._schema import DICT_COLUMNS, IDENTITY, PARTIAL_PREFIX, PARTIAL_SUFFIX, dtype_name, file_name, recording_schema
 
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(emit_dictionary_deltas=False)
-_IDENTITY_COLUMNS = ["run", "step", "phase", "seq_id", "position", "token_id", "token", "site", "layer"]
 
 
 def open_sink(path: str) -> pa.NativeFile:
@@ -181,8 +180,8 @@ class FileSet:
             try:
                 # Activations barely compress and need no statistics; identity columns benefit from both.
                 writer = pq.ParquetWriter(
-                    sink, ipc.schema, compression={c: "zstd" for c in _IDENTITY_COLUMNS} | {"activation": "none"},
-                    use_dictionary=["run", "phase", "site", "token"], write_statistics=_IDENTITY_COLUMNS,
+                    sink, ipc.schema, compression={c: "zstd" for c in IDENTITY} | {"activation": "none"},
+                    use_dictionary=[*DICT_COLUMNS, "token"], write_statistics=list(IDENTITY),
                     store_schema=True)
                 group: list[pa.RecordBatch] = []
                 size = 0
