@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import re
-from importlib import metadata as _md
 from pathlib import Path
 from typing import Any
 
@@ -132,10 +131,7 @@ def file_name(dtype: torch.dtype, hidden: int, index: int, ext: str) -> str:
 
 
 def package_version() -> str:
-    try:
-        return _md.version("probebus")
-    except _md.PackageNotFoundError:
-        return probe.__version__
+    return probe.__version__  # written once, in probe/_version.py (the installed metadata reads it there too)
 
 
 def model_metadata(model: Any) -> dict[str, str]:

@@ -27,9 +27,8 @@ from ._discovery import SessionInfo, live_sessions, runtime_dir
 from ._session import ProbeSession, ProbeStats, attach
 from ._sites import SiteMatcher, expand_sites
 from ._subscriber import Capture, Subscriber, SubscriberStats, parse_capture
+from ._version import __version__ as __version__
 from ._wire import DTYPE_CODE, DTYPE_NAME, DTYPES, PHASES, VERSION, WireError
-
-__version__ = "0.2.0"
 
 
 def list_sites(model: nn.Module) -> list[str]:

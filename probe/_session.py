@@ -41,6 +41,7 @@ from ._identity import stop_tokens
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
 from ._sites import expand_sites
 from ._subscriber import Subscriber
+from ._version import __version__
 from ._wire import PHASE_CODE, VERSION
 
 POLICIES = ("complete", "best_effort")
@@ -238,7 +239,7 @@ class ProbeSession:
             run=self.run, endpoint=self.endpoint, pid=os.getpid(), model=str(getattr(cfg, "name_or_path", "") or
                                                                               type(self.model).__name__),
             config_hash=self._config_hash, dtype=str(param.dtype).removeprefix("torch.") if param is not None
-            else "", sites=self.sites, policy=self.policy, probebus_version=_version(), wire_version=VERSION,
+            else "", sites=self.sites, policy=self.policy, probebus_version=__version__, wire_version=VERSION,
             started=self._started, host=socket.gethostname(), backend="transformers")
 
     @property
@@ -361,12 +362,6 @@ class _StreamEnd:
 
     def __repr__(self) -> str:
         return f"the probe session on {self.publisher.endpoint}"
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None = None, policy: str = "complete",

@@ -34,6 +34,7 @@ from .._identity import StepIdentity
 from .._placement import parent_cpus
 from .._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
 from .._sites import SiteKey
+from .._version import __version__
 from .._wire import REQUESTS_TOPIC, VERSION, encode_control
 from ._arch import VllmArch
 from ._common import EXTENSION
@@ -185,7 +186,7 @@ class VllmProbe:
         return _discovery.SessionInfo(
             run=self.run, endpoint=self.endpoint, pid=os.getpid(), model=self.model_name,
             config_hash=self._config_hash, dtype=str(cfg.dtype).removeprefix("torch."),
-            sites=self.sites, policy=self.policy, probebus_version=_version(), wire_version=VERSION,
+            sites=self.sites, policy=self.policy, probebus_version=__version__, wire_version=VERSION,
             started=self.started, host=socket.gethostname(), backend="vllm",
         ).to_dict() | {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
                        "requests": self._flat.requests(), "recomputed": self._flat.recomputed}
@@ -255,9 +256,3 @@ def spare_cpus() -> set[int] | None:
     model's core. The cores the engine process (our parent) may use are the ones vLLM left."""
     allowed = parent_cpus() or set(range(os.cpu_count() or 1))
     return (allowed - os.sched_getaffinity(0)) or None
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return __version__
