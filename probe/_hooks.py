@@ -24,6 +24,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,7 +88,7 @@ def tap(module: nn.Module, fn: Callable, *, pre: bool) -> object:
         pres, posts = taps.pre, taps.post
 
         @functools.wraps(inner)  # keeps the signature: transformers inspects forward's parameters
-        def forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def forward(*args: Any, **kwargs: Any) -> Any:
             for f in pres:
                 f(module, args, kwargs)
             out = inner(*args, **kwargs)
