@@ -33,6 +33,7 @@ import torch
 import zmq
 
 from ._curve import subscriber_keys
+from ._decode import decode_control, decode_fields, decode_group, split_bundle
 from ._discovery import SessionInfo
 from ._malloc import keep_freed_frames
 from ._requests import RequestMap
@@ -48,10 +49,6 @@ from ._wire import (
     REQUESTS_TOPIC,
     TORN_TOPIC,
     WireError,
-    decode_control,
-    decode_fields,
-    decode_group,
-    split_bundle,
 )
 
 

@@ -14,11 +14,12 @@ import torch
 import probe
 from probe._bundle import Bundler, GroupError
 from probe._copy import CopyPath
+from probe._decode import split_bundle
 from probe._held import ARENA_START
 from probe._identity import IdentityTracker
 from probe._publisher import Publisher
 from probe._sites import SiteKey
-from probe._wire import BUNDLE_MAX, split_bundle
+from probe._wire import BUNDLE_MAX
 
 
 def _key(i: int, name: str = "resid_post") -> SiteKey:

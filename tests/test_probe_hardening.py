@@ -21,6 +21,7 @@ import zmq
 from models import build
 
 import probe
+from probe._decode import decode_group
 from probe._wire import (
     BUNDLE_TOPIC,
     ERROR_KINDS,
@@ -28,7 +29,6 @@ from probe._wire import (
     HEADER,
     MAGIC,
     VERSION,
-    decode_group,
     encode_bundle,
     encode_envelope,
     encode_group,
