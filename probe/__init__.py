@@ -23,10 +23,12 @@ from __future__ import annotations
 from torch import nn
 
 from ._arch import ArchitectureError, SiteError, resolve_arch
+from ._capture import Capture, parse_capture
 from ._discovery import SessionInfo, live_sessions, runtime_dir
-from ._session import ProbeSession, ProbeStats, attach
+from ._session import ProbeSession, attach
 from ._sites import SiteMatcher, expand_sites
-from ._subscriber import Capture, Subscriber, SubscriberStats, parse_capture
+from ._stats import ProbeStats
+from ._subscriber import Subscriber, SubscriberStats
 from ._version import __version__ as __version__
 from ._wire import DTYPE_CODE, DTYPE_NAME, DTYPES, PHASES, VERSION, WireError
 

@@ -23,7 +23,6 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,39 +39,10 @@ from ._hooks import Hooks
 from ._identity import stop_tokens
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
 from ._sites import expand_sites
+from ._stats import POLICIES, ProbeStats
 from ._subscriber import Subscriber
 from ._version import __version__
 from ._wire import PHASE_CODE, VERSION
-
-POLICIES = ("complete", "best_effort")
-
-
-@dataclass(frozen=True)
-class ProbeStats:
-    """Counters of one session. `captured == published + dropped + queued` at every moment.
-
-    published   handed to ZeroMQ (each subscriber reports what it missed after that:
-                `SubscriberStats.missed`)
-    dropped     no room under best_effort, a failed copy, or refused after the stall limit
-    queued      staged and not yet sent: the running step's captures (sent at its end), steps
-                held for a later send (no live subscriber; at most a linger old while the model
-                steps, ~50 ms more once it stops: see `max_delay`) and device copies in flight (CUDA); 0 after close
-    degraded    `complete` hit `stall_timeout` and stopped blocking on a full subscriber
-    torn        large captures borrowed from the model's own tensor (`borrow`) that the model wrote into in
-                place after their hook: one written before its send is dropped (never sent), one written
-                while ZeroMQ sent it may mix old and new values and is flagged to subscribers in-band
-                (`Subscriber.torn`); the session copies every capture after the first
-    """
-
-    captured: int
-    published: int
-    dropped: int
-    bytes: int
-    stall_seconds: float
-    subscribers: int
-    queued: int = 0
-    degraded: bool = False
-    torn: int = 0
 
 
 class ProbeSession:

@@ -17,7 +17,7 @@ from .._arch import LAYER_SITES
 from .._curve import Clients, curve_settings
 from .._endpoint import check_endpoint
 from .._publisher import MAX_DELAY_S
-from .._session import POLICIES, ProbeStats
+from .._stats import POLICIES, ProbeStats
 from ._common import new_run
 
 
