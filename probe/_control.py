@@ -26,7 +26,7 @@ import zmq
 
 from ._wire import END_TOPIC, encode_control
 
-SERVICE_EVERY_S = 0.1  # the model's thread looks for new subscriptions at most this often (a look: ~20 us)
+SERVICE_EVERY_S = 0.1  # the model's thread looks for new subscriptions at most this often (a look: docs/design.md)
 _IDLE_S = 0.05  # the control thread's tick (it stays away while the model stepped within 2 x SERVICE_EVERY_S)
 
 # Closed publishers whose sockets still wait for end-of-stream acknowledgements, by endpoint.

@@ -152,7 +152,8 @@ def decode_fields(buf: memoryview, payload_frame: memoryview | None) -> tuple:
 
     What `decode_envelope` checks, in fewer steps for a frame whose start (site | 0x00 | magic, version,
     phase, dtype) and run id it has validated before: a subscriber decodes every capture (~8 per decode
-    step at batch 1), and the full checks took 3 of the 4 us a capture's decode cost (now 2.6 us).
+    step at batch 1), and the full checks were most of a decode's cost (docs/design.md, "Costs behind
+    the code", Sending).
     Anything new or inconsistent goes through `decode_envelope`, which raises the WireError."""
     peek = bytes(buf[:128])  # site, header and (usually) run id in one small copy
     cut = peek.find(b"\x00", 0, 64)

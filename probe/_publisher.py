@@ -11,10 +11,9 @@
     pub.close(end_body, timeout=30.0)             # end of stream in the background
 
 There is no publisher thread: the model's thread hands each capture to ZeroMQ itself,
-whose I/O thread (C++, no GIL) does the rest asynchronously. Measured on the 2-core
-machine, a Python publisher thread cost the model +12.7 % at batch 1 even with no
-subscriber: its encode-and-send loop held the GIL while the model's thread came back
-from every torch op. Encoding and one `send` cost ~3 us here instead.
+whose I/O thread (C++, no GIL) does the rest asynchronously. A Python publisher thread
+cost the model more than that even with no subscriber: its encode-and-send loop held the
+GIL while the model's thread came back from every torch op (see docs/design.md, "Costs behind the code").
 
 Policies map onto the socket. `complete` sets XPUB_NODROP: a full pipe makes the send
 fail with EAGAIN and the hook waits (back-pressure reaches the model) for at most
@@ -58,9 +57,9 @@ from ._linger import MAX_DELAY_S, HeldBundles
 from ._placement import usable_cpus
 from ._wire import END_TOPIC, INFO_TOPIC, LIVE_PRESENCE, PRESENCE, encode_control
 
-# Plain ints: zmq's flags are IntFlag enums, and `|` on them costs ~0.5 us on the hot path.
+# Plain ints: zmq's flags are IntFlag enums, and `|` on them costs dispatch on the hot path (docs/design.md).
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-ZERO_COPY_MIN = 1 << 16  # below this a memcpy into ZeroMQ's message beats a tracker (measured 64 KiB ~ 10 us)
+ZERO_COPY_MIN = 1 << 16  # below this a memcpy into ZeroMQ's message beats a tracker (docs/design.md, Sending)
 _UNFILTERED = {b"", INFO_TOPIC, END_TOPIC}  # subscriptions of subscribers that take every site
 Frame = bytes | bytearray | memoryview
 
@@ -133,7 +132,7 @@ class Publisher(HeldBundles, ControlThread):
                 self.dropped += len(meta)
                 return
             counts, total = self.counts, 0
-            for site, nbytes, seq in meta:  # `_sent` inlined: a call per capture, from cold caches, cost ~3 us
+            for site, nbytes, seq in meta:  # `_sent` inlined: a call per capture runs from cold caches
                 counts[site] = seq + 1
                 total += nbytes
             self.published += len(meta)
@@ -292,8 +291,9 @@ class Publisher(HeldBundles, ControlThread):
 
     def set_info(self, body: dict | Callable[[], dict], *, send: bool = True) -> None:
         """The session's description, sent now (`send`) and to every subscriber that joins later. A function
-        is called only when an info goes out: a vLLM worker's request map can hold 10,000 entries, 1.3 MB of
-        JSON that took 16.6 ms to encode, which its steps must not pay each time a request starts."""
+        is called only when an info goes out: a vLLM worker's request map can hold 10,000 entries, megabytes
+        of JSON whose encoding its steps must not pay each time a request starts (docs/design.md, "Costs
+        behind the code")."""
         with self.lock:
             self.info_body = body
             self._info_due = self._info_due or send

@@ -59,7 +59,7 @@ class ProbeSession:
         self.policy = policy
         self.run = run or uuid.uuid4().hex[:12]
         self._started = time.time()
-        self._config_hash = _discovery.config_hash(getattr(model, "config", None))  # once: it costs ~1 ms
+        self._config_hash = _discovery.config_hash(getattr(model, "config", None))  # once: it costs a millisecond
         curve_secret_key, clients = curve_settings(curve_secret_key, curve_clients)
         self.curve_public_key = None if curve_secret_key is None else zmq.curve_public(curve_secret_key)
         """What subscribers pass as `curve_server_key` (Z85), or None without CURVE."""
@@ -130,8 +130,8 @@ class ProbeSession:
             session.resume()
 
         The site list that subscribers and `probe.live_sessions()` see stays as it is: a pause is not a
-        change of what the session captures, so nothing is announced (~40 us, where add/remove announce
-        the new list and rewrite the discovery file: ~0.7 ms).
+        change of what the session captures, so nothing is announced (far cheaper than add/remove, which
+        announce the new list and rewrite the discovery file: docs/design.md, "Costs behind the code").
 
         From any thread. From a thread other than the model's, while the model may be inside a forward, the
         taps stay and capture nothing until `resume()` (taking them off mid-forward took the step's end with

@@ -84,8 +84,8 @@ class Subscriber:
     when it admits only listed clients (`probe.attach(..., curve_clients=...)`, `_curve.py`).
 
     `tune_malloc` (default) sets glibc's malloc thresholds for this process once, so that received
-    frames of up to 32 MiB reuse freed memory instead of faulting in fresh pages (`probe/_malloc.py`:
-    ~40 % of a subscriber's CPU at 3 MiB per capture; the process may keep up to 64 MiB of freed heap)."""
+    frames of up to 32 MiB reuse freed memory instead of faulting in fresh pages (`probe/_malloc.py`; the
+    process may keep up to 64 MiB of freed heap)."""
 
     def __init__(self, endpoint: str | list[str], sites: str | Iterable[str] | None = None, *, rcvhwm: int = 1000,
                  curve_server_key: bytes | str | None = None, context: zmq.Context | None = None,

@@ -33,9 +33,8 @@ held steps):
 A group carries the captures of one step that share its rows, dtype and width (a decode
 step's residual streams): its header and token ids once, then each site's name,
 sequence number and rows. Per capture that is 9 bytes plus the name instead of a 60-byte
-header and the token ids again. Warm, at batch 1 with 8 sites, packing a step took the
-model's thread 13-15 us instead of 17, and a subscriber decoded a capture in 2.2-3.4 us
-instead of 3.7-4.6 (README, wire format).
+header and the token ids again: less to pack on the model's thread and to decode at a
+subscriber (see docs/design.md, "Costs behind the code", Sending).
 
 The publisher bundles a step's small captures only while no subscriber filters by site
 (every subscription is the empty prefix), so no subscriber receives data it did not
@@ -54,13 +53,12 @@ message and re-announces its presence, which brings the whole map again in an in
 Subscribers never subscribe to another subscriber's PRESENCE topic, so these are the only
 control messages anyone receives; a control topic a subscriber does not know is ignored.
 
-Why not one frame per part: each ZeroMQ frame costs a send and a receive call
-(~2-3 us each from Python), which dominated small decode captures; below pyzmq's
+Why not one frame per part: each ZeroMQ frame costs a send and a receive call from
+Python, which dominated small decode captures; below pyzmq's
 copy threshold the payload is copied anyway, so appending it to frame 0 is free. For
 large captures a separate header frame also cost the receiver: libzmq allocates each
 received frame, and a small allocation between 3 MiB ones made glibc hand memory back
-to the kernel and fault it in again (83-103 page faults per message at a raw pyzmq
-receiver, 19-30 for single frames).
+to the kernel and fault it in again (docs/design.md, "Costs behind the code").
 This module is the format and the sending side's encoders; the receiving side's validation
 and decoding is `_decode.py`.
 """
@@ -124,7 +122,7 @@ class WireError(ValueError):
         self.kind = kind
 
 
-class Header(NamedTuple):  # a NamedTuple: built per message, 5x cheaper than a frozen dataclass
+class Header(NamedTuple):  # a NamedTuple: built per message, far cheaper than a frozen dataclass
     run: str
     site: str
     phase: str

@@ -67,8 +67,8 @@ class VllmProbe:
         self.policy = policy
         self.model_name = model_name
         self.started = time.time()
-        # Once: to_diff_dict + JSON + sha256 of the config cost ~1 ms, and `info()` runs at every step that brings
-        # a new request (1.2-1.8 ms a call timed in the worker, once per generate call at batch 1 and 8).
+        # Once: to_diff_dict + JSON + sha256 of the config cost a millisecond, and `info()` runs at every step
+        # that brings a new request (docs/design.md, "Costs behind the code", Session info).
         self._config_hash = _discovery.config_hash(cfg.model_config.hf_config)
         self.sites = [s for s in self.arch.local_sites() if s in set(sites)]
         self.wanted = frozenset(self.sites)
