@@ -46,7 +46,7 @@ def _h(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()
 
 
-def _head_lines(text: str, tok, n_tokens: int) -> str | None:  # noqa: ANN001
+def _head_lines(text: str, tok, n_tokens: int) -> str | None:
     """Whole lines from the start of `text` until about n_tokens tokens; None if the text is too short."""
     out, count = [], 0
     for line in text.splitlines(keepends=True):
@@ -57,7 +57,7 @@ def _head_lines(text: str, tok, n_tokens: int) -> str | None:  # noqa: ANN001
     return None
 
 
-def stdlib_set(tok) -> list[dict]:  # noqa: ANN001
+def stdlib_set(tok) -> list[dict]:
     from probebus.models import DEFAULT_MODEL_DIR
     from probebus.models.corpus import load_splits, read_source, stdlib_root
 
@@ -70,7 +70,7 @@ def stdlib_set(tok) -> list[dict]:  # noqa: ANN001
     return rows[:N_PROMPTS]
 
 
-def thirdparty_set(tok) -> list[dict]:  # noqa: ANN001
+def thirdparty_set(tok) -> list[dict]:
     import importlib.util
 
     rows = []
@@ -112,7 +112,7 @@ def _prose_paragraphs(body: str) -> list[str]:
     return out
 
 
-def prose_set(tok) -> list[dict]:  # noqa: ANN001
+def prose_set(tok) -> list[dict]:
     rows = []
     dists = sorted(metadata.distributions(), key=lambda d: _h(d.metadata["Name"] or ""))
     seen = set()

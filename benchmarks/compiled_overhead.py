@@ -57,7 +57,7 @@ class DecodeClock(BaseStreamer):
 SITES = "layers.*.resid_post"
 
 
-def call(model, tok, compiled, prompt: str, mode: str, sample: bool, seed: int,  # noqa: ANN001
+def call(model, tok, compiled, prompt: str, mode: str, sample: bool, seed: int,
          endpoint: str, long: probe.ProbeSession) -> tuple[float, float, list[int]]:
     """(seconds of the call, seconds per decode step, the new tokens)."""
     ids = tok(prompt, return_tensors="pt").input_ids[:, -ARGS.prompt_tokens:]

@@ -31,7 +31,7 @@ from overhead import DRAIN, Clock  # noqa: E402  (same drain and clock as the CP
 
 
 def naive_hooks(model: LlamaForCausalLM, sock: zmq.Socket) -> list:
-    def hook(module, args, output, site=b""):  # noqa: ANN001, ANN202
+    def hook(module, args, output, site=b""):
         t = output[0] if isinstance(output, tuple) else output
         sock.send_multipart([site, t.detach().cpu().view(torch.int16).numpy()])  # .cpu() waits for the GPU
     return [layer.register_forward_hook(lambda m, a, o, s=f"layers.{i}.resid_post".encode(): hook(m, a, o, s))

@@ -23,7 +23,7 @@ from decoder import load_named_drafter
 from probebus._load import load_model
 
 
-def lm_step(model: torch.nn.Module, batch: int):  # noqa: ANN201
+def lm_step(model: torch.nn.Module, batch: int):
     ids = torch.randint(3, model.config.vocab_size, (batch, 64))
     cache = DynamicCache()
     model(ids, cache=cache, use_cache=True)
@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> None:
             print(f"  {name:22s} {statistics.median(ts):8.0f} [{min(ts):.0f}-{max(ts):.0f}]  {ratio:5.2f}")
 
 
-def _eagle(drafter, b: int):  # noqa: ANN001, ANN202
+def _eagle(drafter, b: int):
     step = drafter.fast()
     cache = drafter.new_cache(b, 96)
     hid = torch.zeros(b, 1, drafter.config.hidden_size)
@@ -83,7 +83,7 @@ def _eagle(drafter, b: int):  # noqa: ANN001, ANN202
     return lambda: step(hid, ids, pos, cache, 9)
 
 
-def _dspark(head, x: torch.Tensor, tok: torch.Tensor):  # noqa: ANN001, ANN202
+def _dspark(head, x: torch.Tensor, tok: torch.Tensor):
     def run() -> None:
         base, prev = head.base(x, tok), tok
         for i in range(head.config.positions):

@@ -116,8 +116,8 @@ class NaiveHooks:
                         for i, layer in enumerate(model.model.layers)]
         time.sleep(0.3)  # PUB/SUB slow joiner
 
-    def _hook(self, site: str):  # noqa: ANN202
-        def hook(module, args, output):  # noqa: ANN001, ANN202
+    def _hook(self, site: str):
+        def hook(module, args, output):
             t = (output[0] if isinstance(output, tuple) else output).detach().clone()
             header = json.dumps({"site": site, "shape": list(t.shape), "dtype": str(t.dtype)}).encode()
             self.sock.send_multipart([site.encode(), header, t.numpy()])
@@ -143,7 +143,7 @@ def model_core(pinned: bool):
         os.sched_setaffinity(0, rest)
 
 
-def run_once(model, lm, ids: torch.Tensor, mode: str, endpoints: dict[str, str], pinned: bool) -> Clock:  # noqa: ANN001
+def run_once(model, lm, ids: torch.Tensor, mode: str, endpoints: dict[str, str], pinned: bool) -> Clock:
     clock = Clock()
     kw = dict(max_new_tokens=ARGS.new_tokens, min_new_tokens=ARGS.new_tokens, do_sample=False, streamer=clock,
               eos_token_id=None, pad_token_id=0)

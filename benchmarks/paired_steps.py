@@ -53,7 +53,7 @@ class Toggler(BaseStreamer):
     """Records each decode step's wall and thread CPU time, and switches the probe for the next step between the
     timestamps (`put` runs on the model's thread after every step)."""
 
-    def __init__(self, switch, first_on: bool, block: int = 1) -> None:  # noqa: ANN001
+    def __init__(self, switch, first_on: bool, block: int = 1) -> None:
         self.switch, self.state, self.block = switch, first_on, block
         self.steps: list[tuple[bool, float, float]] = []  # (probed, wall s, cpu s) per decode step
         self._puts = 0
@@ -111,7 +111,7 @@ def report(batch: int, steps: dict[str, list[list]], cycle: float | None = None)
         print(f"  {m:14s} {len(diffs):4d} steps   " + "   ".join(out))
 
 
-def run(model, ids: torch.Tensor, mode: str, endpoints: dict[str, str], first_on: bool,  # noqa: ANN001
+def run(model, ids: torch.Tensor, mode: str, endpoints: dict[str, str], first_on: bool,
         naive: NaiveHooks | None) -> list[tuple[bool, float, float]]:
     kw = dict(max_new_tokens=ARGS.new_tokens, min_new_tokens=ARGS.new_tokens, do_sample=False, eos_token_id=None,
               pad_token_id=0, attention_mask=torch.ones_like(ids))

@@ -83,7 +83,7 @@ BASELINES = ("plain", "HF prompt lookup", "HF assisted", "plain, inference mode"
 BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # batch 1 only
 
 
-def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr: str | None):  # noqa: ANN001, ANN201
+def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr: str | None):
     if name in NAMED:
         d = drafter if name == "EAGLE-3 tree" else load_named_drafter(NAMED[name], model)
         return SpeculativeDecoder(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
@@ -124,7 +124,7 @@ class Runner:
     """One method across a condition: its decoder, built once so that it learns across calls as it would
     serving them, and one timed call at a time (the condition interleaves methods call by call)."""
 
-    def __init__(self, name: str, model, tok, temp: float, args, drafter, cost,  # noqa: ANN001
+    def __init__(self, name: str, model, tok, temp: float, args, drafter, cost,
                  remote_addr: str | None = None) -> None:
         self.name, self.model, self.tok, self.temp, self.args = name, model, tok, temp, args
         self.spec = None if name in BASELINES else make(name, model, drafter, cost, args.k, remote_addr)
@@ -204,7 +204,7 @@ def assistant(model: torch.nn.Module) -> torch.nn.Module:
 _ASSISTANT = None
 
 
-def oracle(model, tok, prompts: list[str], batch: int, temp: float, args, drafter, cost) -> dict:  # noqa: ANN001
+def oracle(model, tok, prompts: list[str], batch: int, temp: float, args, drafter, cost) -> dict:
     spec = SpeculativeDecoder(model, "auto", model_drafter=drafter, k=args.k, cost=cost)
     o_sec = p_sec = auto_sec = 0.0
     tau_num = tau_den = 0.0
@@ -227,7 +227,7 @@ def oracle(model, tok, prompts: list[str], batch: int, temp: float, args, drafte
     return {"speedup": p_sec / o_sec, "auto_speedup": p_sec / auto_sec, "tau": tau_num / max(tau_den, 1)}
 
 
-def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float, args, drafter, cost,  # noqa: ANN001
+def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float, args, drafter, cost,
               remote_addr: str | None) -> None:
     methods = [m for m in args.methods if batch == 1 or m not in BATCH1]
     if remote_addr:

@@ -14,7 +14,7 @@ made between steps: a step is the worker's `execute_model` and `sample_tokens` (
 with the probe's step identity, hooks and step end inside it, and the sampling). The switch
 happens between the timestamps, so it is not counted. `a/a` switches nothing: the method's
 own bias. `probebus-hooks` copies every capture inside its hook (no decode step deferred to
-its end, `probe/_vllm_defer.py`): what the deferral gains, in the same run. vLLM's worker
+its end, `probe/vllm/_defer.py`): what the deferral gains, in the same run. vLLM's worker
 computes on core 0 (VLLM_CPU_OMP_THREADS_BIND=0); the draining subscriber, ZeroMQ's I/O
 thread and the rest of this process run on the other cores.
 The engine's own work between steps (scheduling, output processing) is untouched by a
@@ -44,7 +44,7 @@ class StepClock:
     """Times each step of the in-process worker (`execute_model` to `sample_tokens`, or to `execute_model`'s end
     when it samples itself) and switches the probe for the next decode step between the timestamps."""
 
-    def __init__(self, worker, batch: int) -> None:  # noqa: ANN001
+    def __init__(self, worker, batch: int) -> None:
         self.worker, self.batch = worker, batch
         self.switch = None
         self.state = True
@@ -55,11 +55,11 @@ class StepClock:
         self._orig = (worker.execute_model, worker.sample_tokens)
         worker.execute_model, worker.sample_tokens = self._execute, self._sample
 
-    def start(self, switch, first_on: bool) -> None:  # noqa: ANN001
+    def start(self, switch, first_on: bool) -> None:
         self.switch, self.state, self.steps, self.starts = switch, first_on, [], []
         switch(first_on)
 
-    def _execute(self, scheduler_output, *args, **kwargs):  # noqa: ANN001, ANN202
+    def _execute(self, scheduler_output, *args, **kwargs):
         self._decode = scheduler_output.total_num_scheduled_tokens == self.batch  # every request decoding
         self._t = (time.perf_counter(), time.thread_time())
         out = self._orig[0](scheduler_output, *args, **kwargs)
@@ -67,7 +67,7 @@ class StepClock:
             self._ended()
         return out
 
-    def _sample(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def _sample(self, *args, **kwargs):
         out = self._orig[1](*args, **kwargs)
         self._ended()
         return out
@@ -123,7 +123,7 @@ def main() -> None:
                     if mode == "probebus-hooks":
                         vp._defer.enabled = False  # every capture copied in its hook, as before deferral
 
-                    def switch(on: bool, vp=vp, mode=mode) -> None:  # noqa: ANN001
+                    def switch(on: bool, vp=vp, mode=mode) -> None:
                         if mode != "a/a":
                             vp.resume() if on else vp.pause(flush=False)  # held steps wait, as they would
                     clock.start(switch, g % 2 == 0)

@@ -20,9 +20,10 @@ DuckDB, polars, pyarrow.dataset and Hugging Face `datasets` open as they are.
 from __future__ import annotations
 
 from ._inspect import summarize_recording
+from ._manifest import RecordingSummary
 from ._plot import PlotUnavailable, plot_recording
 from ._reader import iter_recording, open_dataset, read_table, recording_files, recording_info, recording_reader
-from ._recorder import ArrowRecorder, RecorderError, RecordingSummary
+from ._recorder import ArrowRecorder, RecorderError
 from ._recording import ActivationCache, Activations, Recording, activations, read_recording
 from ._repair import repair_recording
 from ._schema import FORMAT, FORMAT_VERSION, MANIFEST, activation_dtype, recording_schema

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ._recorder import RecordingSummary
+from ._manifest import RecordingSummary
 
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
 

@@ -5,6 +5,7 @@
     files.rotate_if_full(key)         # renames/converts it once it reached rotate_bytes
     files.finish_all()                # every group complete: renamed (arrow) or converted (parquet)
     files.entries()                   # what the manifest lists
+    existing_recording(Path("rec"))   # the files of a recording already there (the recorder refuses to mix)
 
 Data always goes first into `_{group}-{index}.arrow.inprogress`, an Arrow IPC *file*
 written through an unbuffered OS file. An IPC file is an 8-byte magic, then exactly
@@ -26,10 +27,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ._batch import BatchBuilder, Key, Slab, SlabInfo, covers
-from ._schema import PARTIAL_PREFIX, PARTIAL_SUFFIX, dtype_name, file_name, recording_schema
+from ._schema import (
+    DICT_COLUMNS,
+    FILE_RE,
+    IDENTITY,
+    LEGACY_MANIFEST,
+    MANIFEST,
+    PARTIAL_PREFIX,
+    PARTIAL_RE,
+    PARTIAL_SUFFIX,
+    PROMPTS,
+    REQUESTS,
+    dtype_name,
+    file_name,
+    recording_schema,
+)
 
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(emit_dictionary_deltas=False)
-_IDENTITY_COLUMNS = ["run", "step", "phase", "seq_id", "position", "token_id", "token", "site", "layer"]
 
 
 def open_sink(path: str) -> pa.NativeFile:
@@ -181,8 +195,8 @@ class FileSet:
             try:
                 # Activations barely compress and need no statistics; identity columns benefit from both.
                 writer = pq.ParquetWriter(
-                    sink, ipc.schema, compression={c: "zstd" for c in _IDENTITY_COLUMNS} | {"activation": "none"},
-                    use_dictionary=["run", "phase", "site", "token"], write_statistics=_IDENTITY_COLUMNS,
+                    sink, ipc.schema, compression={c: "zstd" for c in IDENTITY} | {"activation": "none"},
+                    use_dictionary=[*DICT_COLUMNS, "token"], write_statistics=list(IDENTITY),
                     store_schema=True)
                 group: list[pa.RecordBatch] = []
                 size = 0
@@ -226,3 +240,13 @@ class FileSet:
             d["final_name"] = o.final.name
             partial.append(d)
         return done, partial
+
+
+def existing_recording(path: str | Path) -> list[Path]:
+    """The files of a recording already in `path` (empty if none, or if `path` does not exist)."""
+    p = Path(path)
+    if not p.is_dir():
+        return []
+    return [f for f in p.iterdir()
+            if f.name in (MANIFEST, MANIFEST + ".tmp", PROMPTS, REQUESTS, LEGACY_MANIFEST) or FILE_RE.match(f.name)
+            or PARTIAL_RE.match(f.name) or f.name.endswith(".parquet.tmp")]

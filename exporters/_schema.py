@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import re
-from importlib import metadata as _md
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +73,22 @@ _STORAGE: dict[torch.dtype, tuple[pa.DataType, np.dtype]] = {
     for d in _WIRE_DTYPES.values()
 }
 
-IDENTITY = ("run", "step", "phase", "seq_id", "position", "token_id", "token", "site", "layer")
-DICT_COLUMNS = ("run", "phase", "site")
+# Every row's identity columns, in file order, then `activation`: the one list of them (the schema below, and
+# `_files.py`'s Parquet settings, derive from it).
+_DSTR = pa.dictionary(pa.int32(), pa.string())
+IDENTITY_FIELDS = (
+    pa.field("run", _DSTR, nullable=False),
+    pa.field("step", pa.int64(), nullable=False),
+    pa.field("phase", _DSTR, nullable=False),
+    pa.field("seq_id", pa.int64(), nullable=False),
+    pa.field("position", pa.int64(), nullable=False),
+    pa.field("token_id", pa.int64(), nullable=False),
+    pa.field("token", pa.string()),
+    pa.field("site", _DSTR, nullable=False),
+    pa.field("layer", pa.int32(), nullable=False),
+)
+IDENTITY = tuple(f.name for f in IDENTITY_FIELDS)
+DICT_COLUMNS = tuple(f.name for f in IDENTITY_FIELDS if pa.types.is_dictionary(f.type))  # run, phase, site
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -118,10 +131,7 @@ def file_name(dtype: torch.dtype, hidden: int, index: int, ext: str) -> str:
 
 
 def package_version() -> str:
-    try:
-        return _md.version("probebus")
-    except _md.PackageNotFoundError:
-        return probe.__version__
+    return probe.__version__  # written once, in probe/_version.py (the installed metadata reads it there too)
 
 
 def model_metadata(model: Any) -> dict[str, str]:
@@ -167,23 +177,11 @@ def recording_schema(dtype: torch.dtype, hidden: int, meta: dict[str, str]) -> p
     value_type = _STORAGE[dtype][0] if dtype in _STORAGE else None
     if value_type is None:
         numpy_storage(dtype)  # raises the clear error
-    dstr = pa.dictionary(pa.int32(), pa.string())
     act_meta = {"probebus.dtype": dtype_name(dtype), "probebus.hidden": str(hidden)}
     if dtype in _WIDENED:
         act_meta["probebus.storage"] = f"float32, widened exactly from the captured {dtype_name(dtype)}"
     return pa.schema(
-        [
-            pa.field("run", dstr, nullable=False),
-            pa.field("step", pa.int64(), nullable=False),
-            pa.field("phase", dstr, nullable=False),
-            pa.field("seq_id", pa.int64(), nullable=False),
-            pa.field("position", pa.int64(), nullable=False),
-            pa.field("token_id", pa.int64(), nullable=False),
-            pa.field("token", pa.string()),
-            pa.field("site", dstr, nullable=False),
-            pa.field("layer", pa.int32(), nullable=False),
-            pa.field("activation", pa.list_(value_type), nullable=False, metadata=act_meta),
-        ],
+        [*IDENTITY_FIELDS, pa.field("activation", pa.list_(value_type), nullable=False, metadata=act_meta)],
         metadata=meta,
     )
 

@@ -14,7 +14,7 @@ Internals, in the order a capture meets them: `_arch` / `_sites` (where each sit
 hooked), `_session` (attach and the public API), `_hooks` (the hooks: the hot path),
 `_identity` (whose token each row is), `_copy` (rows into a message, staging ring for
 large ones), `_publisher` (the socket: policies, subscribers, end of stream), `_wire`
-(the frames), `_subscriber`; `vllm` / `_vllm_worker` for vLLM engines. The README's
+(the frames), `_subscriber`; the `vllm` package for vLLM engines. The README's
 design notes explain why each is the way it is.
 """
 
@@ -23,13 +23,14 @@ from __future__ import annotations
 from torch import nn
 
 from ._arch import ArchitectureError, SiteError, resolve_arch
+from ._capture import Capture, parse_capture
 from ._discovery import SessionInfo, live_sessions, runtime_dir
-from ._session import ProbeSession, ProbeStats, attach
+from ._session import ProbeSession, attach
 from ._sites import SiteMatcher, expand_sites
-from ._subscriber import Capture, Subscriber, SubscriberStats, parse_capture
+from ._stats import ProbeStats
+from ._subscriber import Subscriber, SubscriberStats
+from ._version import __version__ as __version__
 from ._wire import DTYPE_CODE, DTYPE_NAME, DTYPES, PHASES, VERSION, WireError
-
-__version__ = "0.2.0"
 
 
 def list_sites(model: nn.Module) -> list[str]:

@@ -18,8 +18,7 @@ is counted, and a TORN_TOPIC control message names it (site, seq) to subscribers
 hook. No supported family does (tests/test_probe_borrow.py); vLLM's workers never borrow (their
 kernels add the residual in place).
 
-Measured on the 2-core VM (`benchmarks/overhead.py --skip-decode --repeats 5`, against raw
-pyzmq sending one buffer zero-copy): 384 KiB 0.64-0.81 -> 0.94-0.99, 3 MiB 0.57-0.64 -> 0.86.
+What it gains against copying, relative to raw pyzmq: docs/design.md, "Costs behind the code", Borrowing.
 
 A mixin of `CopyPath`, which owns the ring, the publisher, the step's large sends (`_large`,
 `_send_large`), the bundler and `_warn_once`.

@@ -18,8 +18,8 @@ wake-up of ZeroMQ's I/O thread per step, not one per layer); a ring slot is reus
 freed its message (a weak reference to the slot's array view dies then). Copies are
 single-threaded (a memmove for every row of a contiguous tensor, numpy for rows picked out of
 padding): torch's `copy_` runs in the intra-op OpenMP pool, and an
-OpenMP region waiting on a core that a subscriber holds cost 7.8 ms instead of 13 us
-for 384 KiB (measured on the 2-core machine).
+OpenMP region waiting on a core that a subscriber holds cost hundreds of times the copy
+(see docs/design.md, "Costs behind the code").
 
 On CUDA the copies are queued in the model's stream and sent once they have landed
 (`_device_copy.py`). A step's small captures that wait for its end are packed there in
@@ -87,8 +87,8 @@ class CopyPath(HeldCaptures, BorrowedCaptures):
             # The common case (a decode step's capture: every row real, contiguous, on the host, under 64 KiB)
             # copies its bytes now, because the model may overwrite them (vLLM's C kernel adds the residual in place),
             # and leaves everything else to the step's end. Between a model's layers every Python operation runs
-            # from cold caches: ~5 us for a dict lookup that costs 0.07 warm. The general path cost 35-80 us per
-            # capture inside a vLLM worker at batch 8; this one 11-16 us, and the step's end packs in one loop.
+            # from cold caches, so this path does the least it can and the step's end packs in one loop (its cost
+            # against the general path's: docs/design.md, "Costs behind the code").
             if hold and ident.valid is None and t.is_cpu and t.is_contiguous():
                 nbytes = t.nbytes
                 used = self._arena_used
@@ -158,8 +158,8 @@ class CopyPath(HeldCaptures, BorrowedCaptures):
             at = self._ring_at + off + pad  # the frame's address in the ring
             if index is None and nbytes == t.nbytes and t.is_contiguous():
                 # Every row, contiguous: one memmove from the tensor's own bytes. Between a model's layers each
-                # numpy call runs from cold caches: the view of the source and the copy's views cost 30-40 us of
-                # a 128 KiB capture's 100 (60-65 us now; CopyPath alone, caches flushed between captures).
+                # numpy call runs from cold caches, and the views cost a third of the capture (docs/design.md,
+                # "Costs behind the code", Copies).
                 _memmove(at + lead, t.data_ptr(), nbytes)
             else:
                 self._copy_rows(host_rows(t).reshape(batch * seq_len, -1), index, slot[pad + lead :], n)
@@ -179,7 +179,7 @@ class CopyPath(HeldCaptures, BorrowedCaptures):
             raise
         # Sent at the step's end with the step's others (`_send_large`): each send that finds ZeroMQ's I/O thread
         # asleep wakes it on another core, and a prefill's layers are far enough apart for it to fall asleep
-        # between them (65 us of a 128 KiB capture's 169 us, sent one by one).
+        # between them (see docs/design.md, "Costs behind the code", Waking ZeroMQ's I/O thread).
         self._large.append((topic, slot[pad:], nbytes, seq, off))
 
     def _send_large(self) -> None:
@@ -218,12 +218,12 @@ class CopyPath(HeldCaptures, BorrowedCaptures):
         """Hand the step's small captures to ZeroMQ in one burst (`hold`: at the step's end, where the publisher
         may keep them for a later step's burst; see `Publisher.send_bundles`).
 
-        Each send that finds ZeroMQ's I/O thread asleep wakes it on another core: 60-96 us
-        on the 2-core VM against ~5 us while it is awake. Sent as the layers finish, the
-        8 captures of a decode step woke it 8 times; in one burst, about once. Bundles that
-        fill up mid-step (64 KiB: 4 captures of a batch-8 decode step at hidden 512) wait
-        for the burst too: flushed where they filled, they woke the I/O thread mid-forward
-        (2.5 % of a vLLM worker's time at batch 8 under py-spy).
+        Each send that finds ZeroMQ's I/O thread asleep wakes it on another core, which costs
+        far more than a send while it is awake. Sent as the layers finish, the 8 captures of a
+        decode step woke it 8 times; in one burst, about once. Bundles that fill up mid-step
+        (64 KiB: 4 captures of a batch-8 decode step at hidden 512) wait for the burst too:
+        flushed where they filled, they woke the I/O thread mid-forward (see docs/design.md,
+        "Costs behind the code").
         """
         if self._held:
             self._pack_held()

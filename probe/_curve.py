@@ -51,7 +51,7 @@ def client_keys(clients: Clients) -> set[bytes] | None:
         if not folder.is_dir():
             raise ValueError(f"curve_clients {str(folder)!r} is not a folder of public certificates "
                              "(zmq.auth.create_certificates writes them as NAME.key)")
-        import zmq.auth  # here: pyzmq's auth imports asyncio (~0.1 s), which `import probe` need not pay
+        import zmq.auth  # here: pyzmq's auth imports asyncio (slow: docs/design.md), which `import probe` need not pay
 
         return {curve_key(k, f"a public key in {folder}") for k in zmq.auth.load_certificates(folder)}
     return {curve_key(k, "each of curve_clients") for k in clients}

@@ -8,8 +8,7 @@ The rows are gathered on the device and copied non-blocking into the pinned ring
 model's own stream order; one event per step marks them, and they are sent (a header
 frame, then the payload zero-copy) at a later step boundary once it has completed, so the
 model's thread never waits for the copy. (A side stream with an event per capture cost 6
-CUDA calls per capture and measured +40 % on an H200 at batch 1: the host, not the GPU,
-is the bottleneck of a decode step there.)
+CUDA calls per capture, and the host, not the GPU, bounds a decode step: docs/design.md, "Costs behind the code", CUDA.)
 """
 
 from __future__ import annotations

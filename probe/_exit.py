@@ -6,8 +6,8 @@
 A session holds a decode step's captures for its linger (`_linger.py`) and sends the end
 of stream only at `close()`. A process that attaches, generates and ends (the script's
 end, `sys.exit`, an uncaught exception) without closing would otherwise lose every held
-step and leave its subscribers without an end of stream (measured: 40 of 40 lost, `missed`
-0). `os._exit` and signals that kill the process skip this, as they skip every exit hook.
+step and leave its subscribers without an end of stream (docs/design.md, "Costs behind the
+code", Exit). `os._exit` and signals that kill the process skip this, as they skip every exit hook.
 The registry holds each open session strongly: a session made inside a function that returned
 without closing it still has its taps on the model (which keep its publisher alive), so it
 must still be there to close at exit.

@@ -13,8 +13,8 @@ numpy on host arrays and the sends themselves.
 
 "Hooks" here are taps (`tap`): a module's `forward` is wrapped by a pass-through that
 calls them, because PyTorch calls a module through its fast path only while it has no
-hooks at all; a no-op forward hook made a module call cost 2.9 us instead of 1.2 (on
-the 2-core VM), on every probed module of every step. A module that already has hooks
+hooks at all; a no-op forward hook made a module call cost more than twice as much, on
+every probed module of every step (see docs/design.md, "Costs behind the code"). A module that already has hooks
 of its own gets real hooks instead, so ours keep their place among them.
 """
 
@@ -24,6 +24,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,7 +88,7 @@ def tap(module: nn.Module, fn: Callable, *, pre: bool) -> object:
         pres, posts = taps.pre, taps.post
 
         @functools.wraps(inner)  # keeps the signature: transformers inspects forward's parameters
-        def forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def forward(*args: Any, **kwargs: Any) -> Any:
             for f in pres:
                 f(module, args, kwargs)
             out = inner(*args, **kwargs)
@@ -118,12 +119,12 @@ class Hooks:
     A step of at most `DEFER_ROWS` rows on a host model (every decode step) is captured at its end: each
     site's hook only keeps a reference to its tensor and the tensor's version counter, and the step's end
     copies them all in one loop. Between a model's layers every Python operation runs from caches the
-    layers have just flushed: in a paired-step measurement (`benchmarks/paired_steps.py`, batch 1, 8 sites)
-    copying in each hook cost the step 0.36 ms, 30-37 us a capture, against 0.11 ms for the taps and step
-    bookkeeping alone. A tensor the model writes into after its hook (its version counter moved) is not
-    what the layer returned: that capture is dropped with a warning and the session goes back to copying
-    in the hook. Steps under `torch.inference_mode` (no version counters), CUDA models and larger steps
-    (prefills: holding every layer's output would raise the model's peak memory) copy in the hook.
+    layers have just flushed: copying in each hook cost a step about three times its taps and bookkeeping
+    (`benchmarks/paired_steps.py`; the figures: docs/design.md, "Costs behind the code"). A tensor the
+    model writes into after its hook (its version counter moved) is not what the layer returned: that
+    capture is dropped with a warning and the session goes back to copying in the hook. Steps under
+    `torch.inference_mode` (no version counters), CUDA models and larger steps (prefills: holding every
+    layer's output would raise the model's peak memory) copy in the hook.
     """
 
     def __init__(self, model: nn.Module, arch: Arch, copy: CopyPath, publisher: Publisher,

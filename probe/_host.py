@@ -5,7 +5,7 @@
     rows = host_rows(t)                          # a numpy view (bf16 as int16)
 
 Between a model's layers every Python operation runs from cold caches, so these are as
-few operations as the job allows; the measured costs are in each docstring.
+few operations as the job allows (their costs: docs/design.md, "Costs behind the code").
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ def chars(nbytes: int) -> type:
 def host_bytes(address: int, nbytes: int) -> ctypes.Array:
     """The `nbytes` at `address` in this process as a buffer, for one copy while the tensor is alive.
 
-    A numpy view of a tensor (`t.numpy()`) costs ~0.7 us per call, a tenth of a decode-step capture's whole
-    hook; this ~0.3 us. Only for contiguous CPU tensors, whose bytes are exactly [data_ptr, +nbytes)."""
+    A numpy view of a tensor (`t.numpy()`) costs a tenth of a decode-step capture's whole hook; this
+    less than half of that. Only for contiguous CPU tensors, whose bytes are exactly [data_ptr, +nbytes)."""
     return chars(nbytes).from_address(address)
 
 
 def host_rows(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor (bf16 as int16: numpy has no bf16, the bits move unchanged)."""
-    src = t.detach() if t.requires_grad else t  # detach alone costs ~3 us per call
+    src = t.detach() if t.requires_grad else t  # detach alone costs a dispatch per call
     if src.dtype == torch.bfloat16:
         src = src.view(torch.int16)
     return src.numpy()

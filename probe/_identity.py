@@ -9,10 +9,10 @@ site of that step, so the hooks only index and copy. Positions come from the
 attention mask and the KV-cache length, never from the row index, so left padding,
 right padding and cached decoding all give each token its index in its own sequence.
 
-Everything here is numpy on host arrays: a torch op on a tiny tensor costs 3-8 us of
-dispatch, numpy ~1 us, and this runs on the model's thread every step. In decode the
-positions are carried forward from the previous step instead of re-summing the
-whole mask.
+Everything here is numpy on host arrays: a torch op on a tiny tensor costs several times
+a numpy call in dispatch, and this runs on the model's thread every step (docs/design.md,
+"Costs behind the code"). In decode the positions are carried forward from the previous
+step instead of re-summing the whole mask.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class StepIdentity:
 def host_array(t: torch.Tensor | np.ndarray | list | tuple, dtype: type) -> np.ndarray:
     """A host numpy array of `t` (a view when it already is one of the right dtype)."""
     if isinstance(t, torch.Tensor):
-        if t.requires_grad:  # detach() alone costs ~3 us: only when needed
+        if t.requires_grad:  # detach() alone costs a dispatch: only when needed
             t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -140,8 +140,8 @@ class IdentityTracker:
         self.next_seq = 0
         self._seq_ids = np.empty(0, dtype=np.int64)
         self._finished = np.empty(0, dtype=bool)
-        # Python mirrors for the decode fast path: inside a running model every numpy call
-        # costs 5-40 us (its code is cold between layers); list and set operations do not.
+        # Python mirrors for the decode fast path: inside a running model every numpy call runs cold
+        # between layers and costs microseconds; list and set operations do not.
         self._seq_list: list[int] = []
         self._any_finished = False
         self._stop_set = set(stop_ids.tolist())
@@ -201,9 +201,9 @@ class IdentityTracker:
 
         One new token per row, every row real and none finished; positions are the cache
         length (no mask) or last step's counts carried (a mask one column wider than last
-        step's). Measured inside a running generate on the 2-core VM: the general path cost
-        ~85 us per step and the same logic in numpy ~80 us (each call's code is cold between
-        the model's layers); this ~15 us.
+        step's). Inside a running generate it costs a fraction of the general path, or of the same
+        logic in numpy, whose calls run cold between the model's layers (docs/design.md, "Costs
+        behind the code", Decode-step identity).
         """
         seq = self._seq_list
         if len(seq) != batch or self._any_finished:
@@ -214,7 +214,7 @@ class IdentityTracker:
                 return None
             if mask.dim() == 4:  # a static cache's [B, 1, 1, keys]: the new token sees itself unless it is padding
                 if mask.shape[:3] != (batch, 1, 1) or mask.shape[3] <= past or mask.dtype != torch.bool \
-                        or not mask.numpy()[:, 0, 0, past].all():  # numpy: a torch op here costs ~10 us
+                        or not mask.numpy()[:, 0, 0, past].all():  # numpy: a torch op here costs more
                     return None
             elif mask.shape != (batch, past + 1) or 0 in mask.numpy()[:, -1].tolist():
                 return None

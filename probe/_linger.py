@@ -9,14 +9,13 @@ Unless a subscriber is *live* (`Subscriber(live=True)`: a drafter, a controller 
 on each token), the step's bundles are held and sent with later steps' once the oldest is
 old enough (the *linger*) or 1 MiB are held, like TCP's Nagle or Kafka's linger. The send
 that finds ZeroMQ's I/O thread asleep wakes it on another core, and that costs the model's
-thread what this machine charges for a cross-core wake-up: 4-5 us back to back, 60-96 us
-after a pause on the 2-core VM one day, and 1-2 ms on another, where waking the idle
-virtual CPU stalled the sender's (`benchmarks/wakeup.py`). So the linger adapts: it is 100
+thread what this machine charges for a cross-core wake-up, which varies by orders of
+magnitude from machine to machine and day to day (`benchmarks/wakeup.py`; the figures:
+docs/design.md, "Costs behind the code"). So the linger adapts: it is 100
 times the median cost of the last 8 such sends (the bus's wake-ups stay near 1 % of the
 model thread's time), never under 200 ms and never over `max_delay` (0.5 s by default).
-(With a 200 ms floor instead of 50 the model's thread sent held bundles a third as often at batch 1
-and half as often at batch 8, timed inside `generate`; step against step the A/B favoured it at batch 8,
-0.83-0.92 % against 1.22-1.65 %, within the run-to-run spread of about a point.)
+(The 200 ms floor, against 50, sent held bundles less often at no visible cost: the A/B is in
+docs/design.md, "Costs behind the code".)
 A recorder or a live view loses nothing by it: the control thread sends what is held once
 it is a linger old, so a model that stops stepping strands nothing for longer than
 ~linger + 50 ms, and `close()` sends all of it before the end of stream. A live

@@ -5,11 +5,11 @@
 
 ZeroMQ's I/O thread mallocs every received message of its size. glibc gives a large one
 fresh pages (mmap, or a heap grown after the last free trimmed it), and the first write to
-each page faults. Measured on the 2-core VM with 3 MiB captures: a Subscriber took 116-147
-page faults and 670-830 us of CPU per message; with glibc told to keep up to 64 MiB of
-freed memory per arena and to serve allocations under 32 MiB from the heap, 0-4 faults
-and 415-560 us. (The dynamic thresholds glibc starts with did not settle here: the
-Subscriber's small allocations between the large ones kept the heap's top trimmed.)
+each page faults. With 3 MiB captures that was most of a Subscriber's CPU per message;
+with glibc told to keep up to 64 MiB of freed memory per arena and to serve allocations
+under 32 MiB from the heap, next to no faults (docs/design.md, "Costs behind the code",
+Memory). (The dynamic thresholds glibc starts with did not settle here: the Subscriber's
+small allocations between the large ones kept the heap's top trimmed.)
 
 The cost is memory: a process may keep up to 64 MiB of freed heap per malloc arena
 instead of returning it at once. The settings are process-wide, so they are applied

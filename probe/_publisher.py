@@ -11,10 +11,9 @@
     pub.close(end_body, timeout=30.0)             # end of stream in the background
 
 There is no publisher thread: the model's thread hands each capture to ZeroMQ itself,
-whose I/O thread (C++, no GIL) does the rest asynchronously. Measured on the 2-core
-machine, a Python publisher thread cost the model +12.7 % at batch 1 even with no
-subscriber: its encode-and-send loop held the GIL while the model's thread came back
-from every torch op. Encoding and one `send` cost ~3 us here instead.
+whose I/O thread (C++, no GIL) does the rest asynchronously. A Python publisher thread
+cost the model more than that even with no subscriber: its encode-and-send loop held the
+GIL while the model's thread came back from every torch op (see docs/design.md, "Costs behind the code").
 
 Policies map onto the socket. `complete` sets XPUB_NODROP: a full pipe makes the send
 fail with EAGAIN and the hook waits (back-pressure reaches the model) for at most
@@ -31,9 +30,9 @@ Unless a subscriber is *live*, a step's bundles are held for a later send (`_lin
 
 Subscribers announce themselves with a private presence topic (counted by
 `wait_for_subscribers`); each new one triggers the session-info broadcast. The model's
-thread reads subscription messages at step boundaries; a control thread that sleeps
-50 ms at a time does it only while the model is idle, and after `close()` sends the
-end of stream and keeps the socket open until every subscriber has acknowledged it.
+thread reads subscription messages at step boundaries; the control thread (`_control.py`)
+does it only while the model is idle, and after `close()` sends the end of stream and
+keeps the socket open until every subscriber has acknowledged it.
 
 `io_cpus` places ZeroMQ's I/O thread and the control thread on those cores. A process
 pinned to the model's cores (a vLLM CPU worker binds itself and every thread it starts
@@ -42,8 +41,6 @@ to its OpenMP cores) would otherwise run them on the model's core, between its o
 
 from __future__ import annotations
 
-import atexit
-import os
 import threading
 import time
 import warnings
@@ -53,45 +50,25 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zmq
 
+from ._control import SERVICE_EVERY_S, ControlThread, wait_lingering
 from ._curve import admit_only
+from ._decode import capture_frames
 from ._linger import MAX_DELAY_S, HeldBundles
 from ._placement import usable_cpus
-from ._wire import (
-    END_TOPIC,
-    INFO_TOPIC,
-    LIVE_PRESENCE,
-    PRESENCE,
-    capture_frames,
-    encode_control,
-)
+from ._wire import END_TOPIC, INFO_TOPIC, LIVE_PRESENCE, PRESENCE, encode_control
 
-# Plain ints: zmq's flags are IntFlag enums, and `|` on them costs ~0.5 us on the hot path.
+# Plain ints: zmq's flags are IntFlag enums, and `|` on them costs dispatch on the hot path (docs/design.md).
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-_SERVICE_EVERY_S = 0.1  # the model's thread looks for new subscriptions at most this often (a look: ~20 us)
-ZERO_COPY_MIN = 1 << 16  # below this a memcpy into ZeroMQ's message beats a tracker (measured 64 KiB ~ 10 us)
-_IDLE_S = 0.05  # the control thread's tick (it stays away while the model stepped within 2 x _SERVICE_EVERY_S)
+ZERO_COPY_MIN = 1 << 16  # below this a memcpy into ZeroMQ's message beats a tracker (docs/design.md, Sending)
 _UNFILTERED = {b"", INFO_TOPIC, END_TOPIC}  # subscriptions of subscribers that take every site
 Frame = bytes | bytearray | memoryview
 
-# Closed publishers whose sockets still wait for end-of-stream acknowledgements, by endpoint.
-_LINGERING: weakref.WeakValueDictionary[str, Publisher] = weakref.WeakValueDictionary()
 
-
-@atexit.register
-def _finish_lingering() -> None:
-    """Let closed sockets finish their end of stream before the interpreter kills daemon threads
-    (killing one inside libzmq aborts the process with "terminate called without an active exception")."""
-    for pub in list(_LINGERING.values()):
-        pub._thread.join(max(0.0, pub._deadline - time.monotonic()) if pub.complete else 2.0)
-
-
-class Publisher(HeldBundles):
+class Publisher(HeldBundles, ControlThread):
     def __init__(self, endpoint: str, *, run: str, policy: str, sndhwm: int, curve_secret_key: bytes | None,
                  stall_timeout: float | None, io_cpus: set[int] | None = None,
                  max_delay: float = MAX_DELAY_S, curve_clients: set[bytes] | None = None) -> None:
-        old = _LINGERING.get(endpoint)
-        if old is not None:  # our own closed socket may still hold this address for its end of stream
-            old._thread.join(max(0.0, old._deadline - time.monotonic()))
+        wait_lingering(endpoint)  # our own closed socket may still hold this address for its end of stream
         self.complete = policy == "complete"
         self.stall_timeout = stall_timeout
         self.lock = threading.Lock()
@@ -155,7 +132,7 @@ class Publisher(HeldBundles):
                 self.dropped += len(meta)
                 return
             counts, total = self.counts, 0
-            for site, nbytes, seq in meta:  # `_sent` inlined: a call per capture, from cold caches, cost ~3 us
+            for site, nbytes, seq in meta:  # `_sent` inlined: a call per capture runs from cold caches
                 counts[site] = seq + 1
                 total += nbytes
             self.published += len(meta)
@@ -297,7 +274,7 @@ class Publisher(HeldBundles):
     def step_done(self) -> None:
         """Called by the model's thread after every forward: read subscriptions if any arrived."""
         now = time.monotonic()
-        if now - self.last_active < _SERVICE_EVERY_S and not self._info_due and not self._controls:
+        if now - self.last_active < SERVICE_EVERY_S and not self._info_due and not self._controls:
             return
         self.last_active = now
         with self.lock:
@@ -314,8 +291,9 @@ class Publisher(HeldBundles):
 
     def set_info(self, body: dict | Callable[[], dict], *, send: bool = True) -> None:
         """The session's description, sent now (`send`) and to every subscriber that joins later. A function
-        is called only when an info goes out: a vLLM worker's request map can hold 10,000 entries, 1.3 MB of
-        JSON that took 16.6 ms to encode, which its steps must not pay each time a request starts."""
+        is called only when an info goes out: a vLLM worker's request map can hold 10,000 entries, megabytes
+        of JSON whose encoding its steps must not pay each time a request starts (docs/design.md, "Costs
+        behind the code")."""
         with self.lock:
             self.info_body = body
             self._info_due = self._info_due or send
@@ -385,78 +363,7 @@ class Publisher(HeldBundles):
         except zmq.ZMQError:  # Again: a full pipe under NODROP (later); else closed under us
             pass
 
-    # --- closing ---------------------------------------------------------------------------------
-    def close(self, end_body: dict, timeout: float) -> None:
-        """End the stream: the control thread sends `end_body` and lingers up to `timeout` s for acks."""
-        if self._closing.is_set():
-            return
-        self.flush_held()  # before the counts: the end of stream follows everything published
-        self._end_body = {**end_body, "endpoint": self.endpoint,
-                          "counts": {k.decode(): v for k, v in self.counts.items()}}
-        self._deadline = time.monotonic() + timeout
-        _LINGERING[self.endpoint] = self
-        self._closing.set()
-        # A held send in flight (the control thread's, waiting on a full pipe under `complete`) gives up now and
-        # counts what it could not send as dropped: wait for that (milliseconds), so the counts are final here.
-        with self._order:
-            pass
 
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for the end of stream to be acknowledged (or given up); True when the socket is closed."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
 
-    def _control(self) -> None:
-        if self.io_cpus:
-            try:
-                os.sched_setaffinity(0, self.io_cpus)  # 0 is this thread here
-            except OSError:  # the cores went away (cpuset changed): stay where we are
-                pass
-        try:
-            while not self._closing.wait(_IDLE_S):
-                if self._held and time.monotonic() - self._held_since >= self._linger:
-                    self.flush_held(blocking=False)  # the model stopped stepping (or steps slowly): send them
-                if time.monotonic() - self.last_active < 2 * _SERVICE_EVERY_S:
-                    continue  # the model's thread is stepping and reads subscriptions itself
-                if self.lock.acquire(blocking=False):
-                    try:
-                        self._service()
-                    finally:
-                        self.lock.release()
-            self._end_of_stream()
-        finally:
-            with self.lock:
-                self.sock.close(0)
-            self._stop_auth()
-            self._ctx.term()
 
-    def _stop_auth(self) -> None:
-        if self._auth is not None:  # its ZAP socket lives on our context: before term()
-            self._auth.stop()
-            self._auth = None
 
-    def _end_of_stream(self) -> None:
-        """Broadcast the end until every subscriber acknowledged (dropped its presence topic) or time ran out.
-
-        Re-sent every half second: under best_effort a subscriber with a full pipe
-        loses it like any other message, and gets the next copy once it has read.
-        """
-        frame = encode_control(END_TOPIC, self._end_body)
-        next_send = 0.0
-        with self.lock:
-            self._service()
-            # Only those present at close are waited for: one that joins while the end is being repeated gets it
-            # too and leaves, but a client that reconnects in a loop would otherwise keep the socket open forever.
-            waiting = set(self.subscribers)
-        while time.monotonic() < self._deadline:
-            with self.lock:
-                self._service()
-                if not waiting & self.subscribers:
-                    return
-                if time.monotonic() >= next_send:
-                    try:
-                        self.sock.send(frame, zmq.NOBLOCK)
-                        next_send = time.monotonic() + 0.5
-                    except zmq.Again:
-                        next_send = time.monotonic() + 0.005
-            time.sleep(0.005)

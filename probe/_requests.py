@@ -7,7 +7,8 @@
 The worker assigns seq_ids in the order requests start (0, 1, 2 ...). The session info
 carries the whole map (its last 10,000 entries) and goes out when a subscriber joins;
 each step that starts requests sends only their entries (REQUESTS_TOPIC), because
-re-encoding the whole map at every such step cost a busy worker up to 16.6 ms a step.
+re-encoding the whole map at every such step cost a busy worker milliseconds a step
+(docs/design.md, "Costs behind the code", Session info).
 Consecutive seq_ids make a lost message visible: an entry past the next expected one
 means one went missing (a best-effort subscriber dropped it at its high-water mark), and
 the subscriber asks for the whole map again by re-announcing its presence (at most once

@@ -23,7 +23,6 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,38 +39,10 @@ from ._hooks import Hooks
 from ._identity import stop_tokens
 from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
 from ._sites import expand_sites
+from ._stats import POLICIES, ProbeStats
 from ._subscriber import Subscriber
+from ._version import __version__
 from ._wire import PHASE_CODE, VERSION
-
-POLICIES = ("complete", "best_effort")
-
-
-@dataclass(frozen=True)
-class ProbeStats:
-    """Counters of one session. `captured == published + dropped + queued` at every moment.
-
-    published   handed to ZeroMQ (each subscriber reports what it missed after that:
-                `SubscriberStats.missed`)
-    dropped     no room under best_effort, a failed copy, or refused after the stall limit
-    queued      staged and not yet sent: the running step's captures (sent at its end), steps
-                held for a later send (no live subscriber; at most a linger old while the model
-                steps, ~50 ms more once it stops: see `max_delay`) and device copies in flight (CUDA); 0 after close
-    degraded    `complete` hit `stall_timeout` and stopped blocking on a full subscriber
-    torn        large captures borrowed from the model's own tensor (`borrow`) that the model wrote into in
-                place after their hook: one written before its send is dropped (never sent), one written
-                while ZeroMQ sent it may mix old and new values and is flagged to subscribers in-band
-                (`Subscriber.torn`); the session copies every capture after the first
-    """
-
-    captured: int
-    published: int
-    dropped: int
-    bytes: int
-    stall_seconds: float
-    subscribers: int
-    queued: int = 0
-    degraded: bool = False
-    torn: int = 0
 
 
 class ProbeSession:
@@ -88,7 +59,7 @@ class ProbeSession:
         self.policy = policy
         self.run = run or uuid.uuid4().hex[:12]
         self._started = time.time()
-        self._config_hash = _discovery.config_hash(getattr(model, "config", None))  # once: it costs ~1 ms
+        self._config_hash = _discovery.config_hash(getattr(model, "config", None))  # once: it costs a millisecond
         curve_secret_key, clients = curve_settings(curve_secret_key, curve_clients)
         self.curve_public_key = None if curve_secret_key is None else zmq.curve_public(curve_secret_key)
         """What subscribers pass as `curve_server_key` (Z85), or None without CURVE."""
@@ -159,8 +130,8 @@ class ProbeSession:
             session.resume()
 
         The site list that subscribers and `probe.live_sessions()` see stays as it is: a pause is not a
-        change of what the session captures, so nothing is announced (~40 us, where add/remove announce
-        the new list and rewrite the discovery file: ~0.7 ms).
+        change of what the session captures, so nothing is announced (far cheaper than add/remove, which
+        announce the new list and rewrite the discovery file: docs/design.md, "Costs behind the code").
 
         From any thread. From a thread other than the model's, while the model may be inside a forward, the
         taps stay and capture nothing until `resume()` (taking them off mid-forward took the step's end with
@@ -238,7 +209,7 @@ class ProbeSession:
             run=self.run, endpoint=self.endpoint, pid=os.getpid(), model=str(getattr(cfg, "name_or_path", "") or
                                                                               type(self.model).__name__),
             config_hash=self._config_hash, dtype=str(param.dtype).removeprefix("torch.") if param is not None
-            else "", sites=self.sites, policy=self.policy, probebus_version=_version(), wire_version=VERSION,
+            else "", sites=self.sites, policy=self.policy, probebus_version=__version__, wire_version=VERSION,
             started=self._started, host=socket.gethostname(), backend="transformers")
 
     @property
@@ -361,12 +332,6 @@ class _StreamEnd:
 
     def __repr__(self) -> str:
         return f"the probe session on {self.publisher.endpoint}"
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 def attach(model: nn.Module, sites: str | Iterable[str], *, endpoint: str | None = None, policy: str = "complete",

@@ -10,16 +10,15 @@ One preallocated byte buffer used as a FIFO: allocations are contiguous and are 
 in allocation order, so memory never fragments and staged payloads stay within
 `capacity` bytes. The ring wraps back to its start early, once the live slots sit past
 `SOFT_END` and the front has room: a subscriber that keeps up then reuses the same few
-megabytes, warm in the cache, instead of touching all of `capacity` (on the 2-core VM a
-384 KiB copy into never-touched pages took 258 us, into reused ones 30 us). Only the
+megabytes, warm in the cache, instead of touching all of `capacity` (a copy into
+never-touched pages costs several times one into reused ones: docs/design.md, "Costs behind the code"). Only the
 model's thread allocates and reclaims (no lock, no other thread). On a CUDA model the
 buffer is pinned so device-to-host copies run asynchronously (the host does not wait).
 
 The buffer's first `PREFAULT` bytes are made resident when the ring is built (at
 attach), not on the first copies into them: a copy into never-touched pages costs the
-kernel a page fault per 4 KiB (1 MiB took 458 us here against 59 us into mapped ones),
-and a session's first prefill would pay it on the model's thread (inside a vLLM
-worker, a batch-8 prefill's 8 MiB of captures took 16-33 ms, 1-2 % of a 48-token run).
+kernel a page fault per 4 KiB, and a session's first prefill would pay it on the model's
+thread (docs/design.md, "Costs behind the code", Memory).
 """
 
 from __future__ import annotations

@@ -28,11 +28,11 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
 import zmq
 
+from ._capture import Capture, capture_of, parse_capture
 from ._curve import subscriber_keys
+from ._decode import decode_control, decode_group, split_bundle
 from ._discovery import SessionInfo
 from ._malloc import keep_freed_frames
 from ._requests import RequestMap
@@ -48,74 +48,7 @@ from ._wire import (
     REQUESTS_TOPIC,
     TORN_TOPIC,
     WireError,
-    decode_control,
-    decode_fields,
-    decode_group,
-    split_bundle,
 )
-
-
-class Capture:
-    """One forward step x one site: valid tokens only, each with its own identity.
-
-    `tensor` ([n, hidden], captured dtype) and the int64 `seq_ids`, `positions`,
-    `token_ids` are views on the received frames, built on first access; `payload`
-    and `token_array` give the same memory as a memoryview / numpy array. `seq` is
-    this site's count of captures published before this one; `sent_at` the wall-clock
-    time (s since the epoch) at which the hook published it.
-    """
-
-    __slots__ = ("site", "layer", "phase", "step", "run", "dtype", "hidden", "n_tokens", "seq", "sent_ns",
-                 "_tokens", "_payload", "_tensor", "_ids")
-
-    def __init__(self, site: str, layer: int, phase: str, step: int, run: str, dtype: torch.dtype, hidden: int,
-                 n_tokens: int, tokens: memoryview, payload: memoryview, seq: int = 0, sent_ns: int = 0) -> None:
-        self.site, self.layer, self.phase, self.step, self.run = site, layer, phase, step, run
-        self.dtype, self.hidden, self.n_tokens, self.seq, self.sent_ns = dtype, hidden, n_tokens, seq, sent_ns
-        self._tokens, self._payload = tokens, payload
-        self._tensor: torch.Tensor | None = None
-        self._ids: torch.Tensor | None = None
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        if self._tensor is None:
-            self._tensor = torch.frombuffer(self._payload, dtype=self.dtype).view(self.n_tokens, self.hidden)
-        return self._tensor
-
-    def _id_rows(self) -> torch.Tensor:
-        if self._ids is None:
-            self._ids = torch.frombuffer(self._tokens, dtype=torch.int64).view(3, self.n_tokens)
-        return self._ids
-
-    @property
-    def seq_ids(self) -> torch.Tensor:
-        return self._id_rows()[0]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self._id_rows()[1]
-
-    @property
-    def token_ids(self) -> torch.Tensor:
-        return self._id_rows()[2]
-
-    @property
-    def token_array(self) -> np.ndarray:
-        """int64 [3, n]: seq_id, position, token_id rows (a view, no copy)."""
-        return np.frombuffer(self._tokens, dtype=np.int64).reshape(3, self.n_tokens)
-
-    @property
-    def payload(self) -> memoryview:
-        """The activation bytes, C-contiguous [n, hidden] in `dtype` (a view, no copy)."""
-        return self._payload
-
-    @property
-    def sent_at(self) -> float:
-        return self.sent_ns / 1e9
-
-    def __repr__(self) -> str:
-        return (f"Capture(site={self.site!r}, phase={self.phase!r}, step={self.step}, n_tokens={self.n_tokens}, "
-                f"hidden={self.hidden}, dtype={self.dtype})")
 
 
 @dataclass
@@ -144,18 +77,6 @@ def _counts(counts: object) -> dict[str, int]:
     return {str(k): n for k, n in counts.items()}
 
 
-def parse_capture(frames: list) -> Capture:
-    """Validate and decode one multipart message of bytes or zmq.Frames (raises WireError)."""
-    if len(frames) not in (1, 2):
-        raise WireError("frames", f"expected 1 or 2 frames (envelope[, payload]), got {len(frames)}")
-    bufs = [f if isinstance(f, (bytes, memoryview)) else f.buffer for f in frames]
-    return _decode(memoryview(bufs[0]), memoryview(bufs[1]) if len(bufs) == 2 else None)
-
-
-def _decode(frame0: memoryview, payload_frame: memoryview | None) -> Capture:
-    return Capture(*decode_fields(frame0, payload_frame))
-
-
 class Subscriber:
     """Connects to `endpoint` (or several) and yields `Capture`s for the requested sites (all by default);
     `live=True` asks the session to send every step at its end (see the module docstring).
@@ -163,8 +84,8 @@ class Subscriber:
     when it admits only listed clients (`probe.attach(..., curve_clients=...)`, `_curve.py`).
 
     `tune_malloc` (default) sets glibc's malloc thresholds for this process once, so that received
-    frames of up to 32 MiB reuse freed memory instead of faulting in fresh pages (`probe/_malloc.py`:
-    ~40 % of a subscriber's CPU at 3 MiB per capture; the process may keep up to 64 MiB of freed heap)."""
+    frames of up to 32 MiB reuse freed memory instead of faulting in fresh pages (`probe/_malloc.py`; the
+    process may keep up to 64 MiB of freed heap)."""
 
     def __init__(self, endpoint: str | list[str], sites: str | Iterable[str] | None = None, *, rcvhwm: int = 1000,
                  curve_server_key: bytes | str | None = None, context: zmq.Context | None = None,
@@ -266,7 +187,7 @@ class Subscriber:
                 if entry[0] == 0:
                     caps = [Capture(*fields) for fields in decode_group(entry)]
                 else:
-                    caps = [_decode(entry, None)]
+                    caps = [capture_of(entry, None)]
             except WireError as exc:
                 self._wire_error(exc)
                 continue

@@ -1,3 +1,9 @@
 """probebus: the command-line front end and shipped assets (models) of the probe/exporters/decoder packages."""
 
-__version__ = "0.2.0"
+
+def __getattr__(name: str) -> str:
+    if name == "__version__":  # written once, in probe/_version.py; read when asked (importing probe imports torch)
+        from probe._version import __version__
+
+        return __version__
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -45,7 +45,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise LoadError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.keep and exporters._recorder.existing_recording(args.keep):
+    if args.keep and exporters._files.existing_recording(args.keep):
         raise LoadError(f"{args.keep} already holds a recording; pick a new --keep folder")
     console = make_console()
     t_start = time.perf_counter()

@@ -17,9 +17,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -97,7 +100,7 @@ def _not_found(name: str, what: str) -> LoadError:
     return LoadError(f"cannot find {what} {name!r}: no such folder, and the Hub did not provide it")
 
 
-def load_config(name: str):  # noqa: ANN201 - a transformers PretrainedConfig
+def load_config(name: str) -> PretrainedConfig:
     """Config of `default`, a model folder, a config JSON file (any file name), or a cached hub id."""
     from transformers import AutoConfig
 

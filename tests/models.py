@@ -68,8 +68,8 @@ def oracle_activations(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, t
     arch = probe.resolve_arch(model)
     got: dict[str, torch.Tensor] = {}
 
-    def keeper(key: str):  # noqa: ANN202
-        def keep(mod, args, out) -> None:  # noqa: ANN001
+    def keeper(key: str):
+        def keep(mod, args, out) -> None:
             got[key] = (out[0] if isinstance(out, tuple) else out).detach().clone()
         return keep
 

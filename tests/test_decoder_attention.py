@@ -13,7 +13,7 @@ from decoder.loop._run import causal_block
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_grouped_heads_are_read_in_place_with_the_same_logits(family: str, monkeypatch) -> None:  # noqa: ANN001
+def test_grouped_heads_are_read_in_place_with_the_same_logits(family: str, monkeypatch) -> None:
     model = build(family)
     assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads < 4
     copies = []

@@ -88,7 +88,7 @@ def test_mismatches_are_clear_errors(tmp_path: Path, caplog: pytest.LogCaptureFi
     with pytest.raises(DrafterError, match="not three layers of a 4-layer target"):
         load_drafter(folder, _target(layers=4))
 
-    def edited(name: str, change) -> Path:  # noqa: ANN001
+    def edited(name: str, change) -> Path:
         out = tmp_path / name
         out.mkdir()
         (out / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())

@@ -23,7 +23,7 @@ def _run(argv: list[str]) -> int:
         return int(exc.code or 0)
 
 
-def _one_line_error(capsys, code: int, startswith: str) -> None:  # noqa: ANN001
+def _one_line_error(capsys, code: int, startswith: str) -> None:
     assert code == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("Loading")]
     assert len(err) == 1, err
@@ -38,11 +38,11 @@ def _one_line_error(capsys, code: int, startswith: str) -> None:  # noqa: ANN001
     (["--top-p", "1.5"], "probebus generate: --top-p must be in (0, 1]"),
     (["--drafter", "none", "--endpoint", "tcp://127.0.0.1:5999"], "probebus generate: --endpoint"),
 ])
-def test_bad_generate_options(capsys, args: list[str], message: str) -> None:  # noqa: ANN001
+def test_bad_generate_options(capsys, args: list[str], message: str) -> None:
     _one_line_error(capsys, _run(["generate", "--prompt", "def f(", *args]), message)
 
 
-def test_bad_prompts_file_and_bad_drafter_weights(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+def test_bad_prompts_file_and_bad_drafter_weights(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9\n".encode("latin-1"))
     assert _run(["generate", "--prompts", str(bad)]) == 2
@@ -55,7 +55,7 @@ def test_bad_prompts_file_and_bad_drafter_weights(tmp_path: Path, capsys) -> Non
     _one_line_error(capsys, _run(["serve-drafter", "--drafter", str(broken)]), "probebus serve-drafter: ")
 
 
-def test_stream_prints_the_same_text_as_it_is_accepted(capsys) -> None:  # noqa: ANN001
+def test_stream_prints_the_same_text_as_it_is_accepted(capsys) -> None:
     base = ["generate", "--prompt", "def parse(line):\n", "--max-new-tokens", "24", "--drafter", "auto"]
     assert main(base + ["--no-stream"]) == 0
     plain = capsys.readouterr().out
@@ -64,7 +64,7 @@ def test_stream_prints_the_same_text_as_it_is_accepted(capsys) -> None:  # noqa:
     assert streamed == plain and streamed.startswith("def parse(line):\n") and len(streamed) > 20
 
 
-def test_plot_and_endpoint(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+def test_plot_and_endpoint(tmp_path: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
     endpoint = f"ipc://{tmp_path}/gen.sock"
     assert main(["generate", "--prompt", "import os\n", "--max-new-tokens", "16", "--plot", str(tmp_path / "plots"),

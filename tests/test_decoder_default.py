@@ -13,12 +13,12 @@ from probebus._load import load_model, resolve_drafter
 
 
 @pytest.fixture(scope="module")
-def target():  # noqa: ANN201
+def target():
     return load_model("default")
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_equals_generate_on_the_default_model(target, batch: int) -> None:  # noqa: ANN001
+def test_greedy_equals_generate_on_the_default_model(target, batch: int) -> None:
     model, tok = target
     prompts = code_prompts("heldout", batch, seed=batch)
     enc = tok(prompts, return_tensors="pt", padding=True)
@@ -40,7 +40,7 @@ def test_greedy_equals_generate_on_the_default_model(target, batch: int) -> None
 
 @pytest.mark.parametrize("name", ["eagle3-tree", "medusa", "medusa-tree", "mtp", "mtp-attn", "clustered",
                                   "draft-model", "layer-skip"])
-def test_every_shipped_drafter_is_lossless_on_the_default_model(target, name: str) -> None:  # noqa: ANN001
+def test_every_shipped_drafter_is_lossless_on_the_default_model(target, name: str) -> None:
     """Each --drafter name loads the files shipped next to the default model, reproduces greedy `generate` on
     held-out prompts, and (all but layer skip, whose early exit is untrained) is really accepted."""
     from decoder import load_named_drafter, tree_nodes

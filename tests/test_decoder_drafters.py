@@ -144,7 +144,7 @@ def _sample_pairs(model: torch.nn.Module, drafter: object, prompt: list[int], se
     return torch.bincount(t2 * V + t3, minlength=V * V).view(V, V), out.stats
 
 
-def _biased_verify_rows(drafts, k_rows, p, q_draft, draft_ids, d2t_ids, sampled, generator=None):  # noqa: ANN001, ANN202
+def _biased_verify_rows(drafts, k_rows, p, q_draft, draft_ids, d2t_ids, sampled, generator=None):
     """A classic bug: the right acceptance test, but a rejected draft is replaced by a draw from p instead of
     from the residual max(p - q, 0), which over-weights the tokens the drafter proposes."""
     n, nxt = verify_rows(drafts, k_rows, p, q_draft, draft_ids, d2t_ids, sampled, generator)
@@ -155,7 +155,7 @@ def _biased_verify_rows(drafts, k_rows, p, q_draft, draft_ids, d2t_ids, sampled,
 
 @pytest.mark.parametrize("method", ["draft-model", "layer-skip", "medusa", "mtp", "mtp-attn", "clustered", "dspark",
                                     "eagle3", "ngram"])
-def test_sampling_follows_the_target_and_a_biased_rule_fails(method: str, monkeypatch) -> None:  # noqa: ANN001
+def test_sampling_follows_the_target_and_a_biased_rule_fails(method: str, monkeypatch) -> None:
     model = _tiny(0, layers=6)
     drafter = {"draft-model": lambda: DraftModelDrafter(_tiny(1, layers=1)),
                "layer-skip": lambda: LayerSkipDrafter(model, 1),
@@ -328,7 +328,7 @@ def test_several_model_drafters_one_scheduler(batch: int) -> None:
     assert used["perfect"] > used["mtp"] + used["medusa"], used
 
 
-def test_several_model_drafters_sample_the_target_distribution(monkeypatch) -> None:  # noqa: ANN001
+def test_several_model_drafters_sample_the_target_distribution(monkeypatch) -> None:
     """Batch-1 calls whose rounds go to different drafters (each with its own q and vocabulary map) still sample
     the target's exact joint of two tokens, and the biased rule fails the same test."""
     model = _tiny(0, layers=6)

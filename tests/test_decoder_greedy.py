@@ -190,7 +190,7 @@ def test_probes_publish_during_the_decoders_own_calls_only() -> None:
     assert torch.equal(first.sequences, want) and torch.equal(again.sequences, want)
 
 
-def test_packed_weights_serve_the_loops_forwards_and_step_aside_for_hooks(monkeypatch) -> None:  # noqa: ANN001
+def test_packed_weights_serve_the_loops_forwards_and_step_aside_for_hooks(monkeypatch) -> None:
     """`decoder/forward/_packed.py`: the verify forward's linear layers, their weights packed once for oneDNN."""
     import decoder.forward._packed as packed_mod
     from decoder.forward._packed import PackedLinears
@@ -259,7 +259,7 @@ def test_packed_weights_serve_the_loops_forwards_and_step_aside_for_hooks(monkey
     assert seen == [(2, 7, model.config.vocab_size)]
 
 
-def test_every_forward_of_a_call_takes_the_packed_weights(monkeypatch) -> None:  # noqa: ANN001
+def test_every_forward_of_a_call_takes_the_packed_weights(monkeypatch) -> None:
     """Greedy and sampled calls alike: the prefill and every one-token round go through `_packed.py` (a greedy
     call's plain rounds kept `F.linear` until their batch-8 rounds measured 0.92x `generate` for it), and
     `packed="none"` keeps `F.linear` everywhere."""
@@ -298,7 +298,7 @@ def test_a_transformers_release_that_names_the_cache_past_key_values() -> None:
     from decoder.forward._compat import cache_kw
 
     class OldCacheName(LlamaForCausalLM):
-        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,  # noqa: ANN001, ANN201
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                     inputs_embeds=None, use_cache=None, **kwargs):
             if "cache" in kwargs:
                 raise TypeError("forward() got an unexpected keyword argument 'cache'")
@@ -326,7 +326,7 @@ def test_a_transformers_release_that_names_the_cache_past_key_values() -> None:
             assert torch.equal(tree.sequences, want_one), name
 
 
-def test_calls_run_in_inference_mode_and_hand_back_tensors_autograd_can_use(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_calls_run_in_inference_mode_and_hand_back_tensors_autograd_can_use(tmp_path, monkeypatch) -> None:
     """The loop's forwards run under `torch.inference_mode` (cheaper per op than `no_grad`), yet nothing the
     caller gets back is an inference tensor: the output feeds a forward with gradients, and the drafter still
     trains after a call built its tables (its rope table, measuring its step for the cost curve, is one: an op

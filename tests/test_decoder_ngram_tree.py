@@ -105,7 +105,7 @@ def test_auto_trees_with_eagle_keep_greedy_output_exact() -> None:
 # --- T > 0: point-mass candidates, verified by drawing from the target's p ---------------------------------------
 
 
-def _biased_point(tree, p, generator):  # noqa: ANN001, ANN202
+def _biased_point(tree, p, generator):
     """A plausible bug: each child c tried in turn with probability p(c) (no residual after a rejection), the
     fallback drawn from p itself. It favours the candidates' tokens."""
     path, at = [], 0
@@ -156,7 +156,7 @@ def test_point_mass_tree_rule_keeps_every_depth_exact(rule: str) -> None:
         assert min(p_first, p_second) < 1e-6
 
 
-def test_sampled_ngram_trees_in_the_loop_follow_the_target_and_a_biased_rule_fails(monkeypatch) -> None:  # noqa: ANN001
+def test_sampled_ngram_trees_in_the_loop_follow_the_target_and_a_biased_rule_fails(monkeypatch) -> None:
     """Seeded batch-1 calls at T = 0.7 on an 8-token target whose prompt repeats with several continuations: n-gram
     trees are verified (the 4-D mask, positions and the branch kept in the cache take part), and the sampled
     (t2, t3) follow the target's exact joint distribution; candidates tried one by one without a residual fail."""

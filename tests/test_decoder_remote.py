@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()
-def server(tmp_path: Path):  # noqa: ANN201
+def server(tmp_path: Path):
     import zmq
 
     port = zmq.Context.instance().socket(zmq.REP)

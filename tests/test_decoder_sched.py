@@ -18,7 +18,7 @@ from decoder.schedule import CostModel, DraftPlan
 from decoder.schedule._cost import PathChoice
 
 
-def test_cost_curve_is_measured_once_cached_and_refreshable(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_cost_curve_is_measured_once_cached_and_refreshable(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PROBEBUS_CACHE_DIR", str(tmp_path))
     model = build("llama", layers=2)
     cost = CostModel.for_target(model)
@@ -47,7 +47,7 @@ def test_cost_curve_is_measured_once_cached_and_refreshable(tmp_path: Path, monk
         CostModel.for_target(model).ensure(2, 3)
 
 
-def test_a_first_curve_times_four_lengths_and_a_refresh_times_all(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_a_first_curve_times_four_lengths_and_a_refresh_times_all(tmp_path: Path, monkeypatch) -> None:
     """A machine's first call must not pay for a whole curve (it cost 0.64 s of a 0.96 s first call): it times 1,
     2, the middle and k_max + 1 and interpolates; refresh=True (the benchmark, --refresh-cost) times every
     length."""
@@ -60,7 +60,7 @@ def test_a_first_curve_times_four_lengths_and_a_refresh_times_all(tmp_path: Path
     timed: list[int] = []
     real = model.forward
 
-    def forward(input_ids=None, **kw):  # noqa: ANN001, ANN202
+    def forward(input_ids=None, **kw):
         timed.append(input_ids.shape[1])
         return real(input_ids=input_ids, **kw)
 
@@ -134,7 +134,7 @@ def test_oracle_bound_on_a_looping_model(monkeypatch: pytest.MonkeyPatch) -> Non
     assert simulated_seconds(out.stats, flat) > 0
 
 
-def test_calls_where_drafting_does_not_pay_run_as_plain_decoding(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_calls_where_drafting_does_not_pay_run_as_plain_decoding(tmp_path: Path, monkeypatch) -> None:
     """On CPU plain decoding is the loop's own plain rounds (`loop_plain`: measured faster than `generate` there),
     elsewhere the target's own `generate` (the hand-over test runs both)."""
     monkeypatch.setenv("PROBEBUS_CACHE_DIR", str(tmp_path))
@@ -220,7 +220,7 @@ def test_calls_where_drafting_does_not_pay_run_as_plain_decoding(tmp_path: Path,
     assert weighed.best(key) == "spec"
 
 
-def test_a_sampled_call_may_run_ngram_alone_with_the_probes_off(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_a_sampled_call_may_run_ngram_alone_with_the_probes_off(tmp_path: Path, monkeypatch) -> None:
     """Sampled calls of a decoder with EAGLE-3 and n-gram have a third path: n-gram alone, probes off. Each path
     is measured once, in order; the fastest keeps the calls and the others are re-measured in turn. On that path
     no model drafter is asked and nothing is captured, and sampling stays the target's: top_k=1 makes it the
@@ -287,7 +287,7 @@ def test_asking_eagle_is_learnt_per_band_of_what_ngram_offers() -> None:
 
 
 @pytest.mark.parametrize("where", ["generate", "loop"])
-def test_a_call_that_measures_itself_losing_hands_the_rest_over(where: str, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_a_call_that_measures_itself_losing_hands_the_rest_over(where: str, tmp_path: Path, monkeypatch) -> None:
     """Forced (no time margin): a sampled call continues in `generate` on the loop's own cache, or (`loop`, what
     a CPU does: `_handover.loop_plain`) as the loop's own plain rounds. Sampling with top_k=1 is the argmax, so
     output, EOS and streaming must equal greedy `generate` exactly: the continuation conditions on exactly the
@@ -350,7 +350,7 @@ def test_a_call_that_measures_itself_losing_hands_the_rest_over(where: str, tmp_
     holes: list[int] = []
     real = _loop.hand_over
 
-    def watched(run, target) -> None:  # noqa: ANN001
+    def watched(run, target) -> None:
         pad = [run.input_ids.shape[1] - n for n in run.lens]
         holes.append(max(run.cols - last - p for last, p in zip(run.last, pad, strict=True)))
         real(run, target)

@@ -29,7 +29,7 @@ def _target(folder: Path) -> LlamaForCausalLM:
     return model
 
 
-def test_record_then_train_drafter_cli(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+def test_record_then_train_drafter_cli(tmp_path: Path, capsys) -> None:
     model = _target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return x + {i}\n"}) + "\n"
@@ -64,7 +64,7 @@ def test_record_then_train_drafter_cli(tmp_path: Path, capsys) -> None:  # noqa:
     assert len(seen) <= 256 and bool(drafter.t2d[seen].all())
 
 
-def test_confidence_head_trains_loads_and_refuses_other_weights(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+def test_confidence_head_trains_loads_and_refuses_other_weights(tmp_path: Path, caplog) -> None:
     model = _target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def g{i}(y):\n    return y * {i}\n"}) + "\n" for i in range(8)))
@@ -94,7 +94,7 @@ def test_confidence_head_trains_loads_and_refuses_other_weights(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("problem", ["missing", "empty"])
-def test_train_drafter_on_a_bad_recording_is_one_line(tmp_path: Path, capsys, problem: str) -> None:  # noqa: ANN001
+def test_train_drafter_on_a_bad_recording_is_one_line(tmp_path: Path, capsys, problem: str) -> None:
     rec = tmp_path / "rec"
     if problem == "empty":
         rec.mkdir()
@@ -103,7 +103,7 @@ def test_train_drafter_on_a_bad_recording_is_one_line(tmp_path: Path, capsys, pr
     assert len(err) == 1 and err[0].startswith("probebus train-drafter: --recording") and "Traceback" not in err[0]
 
 
-def test_record_final_norm_then_every_head_method_on_the_command_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+def test_record_final_norm_then_every_head_method_on_the_command_line(tmp_path: Path, capsys) -> None:
     """`probebus record --sites final_norm`, then `train-drafter --method medusa|mtp|clustered|dspark|layer-skip` (and
     mtp --attention),
     then `probebus generate --drafter OUT` with each result: the documented path for every feature-fed method."""
@@ -128,7 +128,7 @@ def test_record_final_norm_then_every_head_method_on_the_command_line(tmp_path: 
     assert "tree drafts need EAGLE-3 or Medusa" in capsys.readouterr().err
 
 
-def test_soft_targets_are_the_targets_distribution_and_bring_q_closer_to_p(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+def test_soft_targets_are_the_targets_distribution_and_bring_q_closer_to_p(tmp_path: Path, capsys) -> None:
     """`train-drafter --soft` on a recording with final_norm: each position's target is the target's own next-token
     distribution over the draft vocabulary (checked against transformers' logits of the whole sequence), and a
     drafter trained on it matches p better than one trained on the recorded tokens for as many steps (the

@@ -51,7 +51,7 @@ def test_tree_greedy_equals_generate(method: str) -> None:
         assert out.stats.drafted >= 8 * out.stats.tree_rounds  # whole trees went into the forward
 
 
-def test_tree_falls_back_to_chains_at_batch_above_one(caplog) -> None:  # noqa: ANN001
+def test_tree_falls_back_to_chains_at_batch_above_one(caplog) -> None:
     model = build("llama", layers=8)
     ids, mask = left_padded(PROMPTS)
     want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
@@ -153,7 +153,7 @@ def test_tree_sampling_in_the_loop_is_reproducible() -> None:
 
 @pytest.mark.parametrize("method", ["medusa", "eagle3"])
 def test_tree_sampling_in_the_loop_follows_the_target_and_a_biased_rule_fails(method: str,
-                                                                             monkeypatch) -> None:  # noqa: ANN001
+                                                                             monkeypatch) -> None:
     """Batch-1 calls with sampled trees on an 8-token target: the sampled (t2, t3) follow the target's exact joint
     distribution (the draws from q, SpecInfer's rule, the 4-D mask, per-node positions and the branch kept in the
     KV cache all take part), and the rule without residual updates fails the same test."""

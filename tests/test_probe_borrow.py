@@ -61,7 +61,7 @@ def test_a_tensor_written_in_place_before_its_send_is_never_sent_and_copying_tak
     ids = _big_batch()
     clean = oracle_activations(model, ids)["layers.1.resid_post"]
 
-    def double(mod, args, kwargs):  # noqa: ANN001, ANN202
+    def double(mod, args, kwargs):
         (args[0] if args else kwargs["hidden_states"]).mul_(2)
 
     handle = model.model.layers[2].register_forward_pre_hook(double, with_kwargs=True)
@@ -88,7 +88,7 @@ def test_a_tensor_written_in_place_before_its_send_is_never_sent_and_copying_tak
     assert session.stats.torn == 1 and session.stats.published == 2
 
 
-def test_a_tensor_written_while_zeromq_sends_it_is_flagged_to_subscribers(tmp_path) -> None:  # noqa: ANN001
+def test_a_tensor_written_while_zeromq_sends_it_is_flagged_to_subscribers(tmp_path) -> None:
     """A write after the step's end, while ZeroMQ still sends the capture from the tensor (here: the subscriber
     reads nothing yet, so 3 MiB wait in the pipe), cannot be undone: the capture arrives with mixed values, and the
     session flags it in-band once it knows (site, seq in `Subscriber.torn`, `SubscriberStats.torn`); a recorder

@@ -285,7 +285,7 @@ def test_taps_keep_a_replaced_forward_and_the_signature_transformers_reads() -> 
     calls: list[str] = []
     theirs = layer0.forward
 
-    def replaced(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def replaced(*args, **kwargs):
         calls.append("replaced")
         return theirs(*args, **kwargs)
 
@@ -300,7 +300,7 @@ def test_taps_keep_a_replaced_forward_and_the_signature_transformers_reads() -> 
     assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
     ours = layer1.forward
 
-    def later(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def later(*args, **kwargs):
         calls.append("later")
         return ours(*args, **kwargs)
 
@@ -318,7 +318,7 @@ def test_taps_keep_a_replaced_forward_and_the_signature_transformers_reads() -> 
     assert torch.equal(_generate(model), ref) and calls.count("replaced") == calls.count("later") > 0
 
 
-def _layer1_capture(model: torch.nn.Module, hook) -> probe.Capture:  # noqa: ANN001
+def _layer1_capture(model: torch.nn.Module, hook) -> probe.Capture:
     """The one capture of layers.1.resid_post from a 4-token forward, with `hook` on layer 1 before the probe's."""
     h = model.model.layers[1].register_forward_hook(hook)
     with probe.attach(model, "layers.1.resid_post") as session:
@@ -352,7 +352,7 @@ def test_views_with_an_offset_or_strides_are_captured_as_their_own_values() -> N
         model = build("llama")
         ref: list[torch.Tensor] = []
 
-        def swap(m, a, o, view=view, ref=ref):  # noqa: ANN001, ANN202
+        def swap(m, a, o, view=view, ref=ref):
             out = view(o[0] if isinstance(o, tuple) else o)
             ref.append(out.detach().clone())
             return (out, *o[1:]) if isinstance(o, tuple) else out

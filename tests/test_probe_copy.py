@@ -14,11 +14,12 @@ import torch
 import probe
 from probe._bundle import Bundler, GroupError
 from probe._copy import CopyPath
+from probe._decode import split_bundle
 from probe._held import ARENA_START
 from probe._identity import IdentityTracker
 from probe._publisher import Publisher
 from probe._sites import SiteKey
-from probe._wire import BUNDLE_MAX, split_bundle
+from probe._wire import BUNDLE_MAX
 
 
 def _key(i: int, name: str = "resid_post") -> SiteKey:
@@ -27,7 +28,7 @@ def _key(i: int, name: str = "resid_post") -> SiteKey:
 
 
 @pytest.fixture
-def bus():  # noqa: ANN201
+def bus():
     pub = Publisher("tcp://127.0.0.1:*", run="r1", policy="complete", sndhwm=1000, curve_secret_key=None,
                     stall_timeout=30.0)
     sub = probe.Subscriber(pub.endpoint)
@@ -43,14 +44,14 @@ def _finish(pub: Publisher, path: CopyPath, sub: probe.Subscriber) -> list:
     return list(sub)
 
 
-def _decode_step(tracker: IdentityTracker, batch: int, past: int = 7):  # noqa: ANN202
+def _decode_step(tracker: IdentityTracker, batch: int, past: int = 7):
     ids = torch.arange(batch, dtype=torch.long)[:, None] + 100
     ident = tracker.begin(ids, None, past, batch, 1, None, torch.device("cpu"))
     assert ident.valid is None  # every row real: the held path
     return ident
 
 
-def test_a_held_capture_keeps_the_values_it_had_and_its_place(bus) -> None:  # noqa: ANN001
+def test_a_held_capture_keeps_the_values_it_had_and_its_place(bus) -> None:
     """vLLM's C kernel updates the residual stream in place after the hook: a held capture must be a copy taken at
     once, not a reference read at the step's end; a capture that takes the general path in between keeps
     its place in the order."""
@@ -73,7 +74,7 @@ def test_a_held_capture_keeps_the_values_it_had_and_its_place(bus) -> None:  # n
     assert path.captured == pub.published == 3 and path.dropped == 0
 
 
-def test_a_held_capture_that_does_not_fit_its_step_is_dropped_and_counted(bus) -> None:  # noqa: ANN001
+def test_a_held_capture_that_does_not_fit_its_step_is_dropped_and_counted(bus) -> None:
     """A tensor whose rows do not match the step is found out when packed: dropped, counted and warned
     once, and the step's other captures still go out."""
     pub, path, sub = bus
@@ -92,7 +93,7 @@ def test_a_held_capture_that_does_not_fit_its_step_is_dropped_and_counted(bus) -
     assert [str(w.message) for w in caught if "layers.1.resid_post" in str(w.message)], caught
 
 
-def test_held_captures_beyond_the_arena_all_arrive_in_order(bus) -> None:  # noqa: ANN001
+def test_held_captures_beyond_the_arena_all_arrive_in_order(bus) -> None:
     """More held bytes than the arena in one step: the rest take the general path, in order, bit-exact,
     and the arena grows so that the next step holds them all."""
     pub, path, sub = bus
@@ -116,7 +117,7 @@ def test_held_captures_beyond_the_arena_all_arrive_in_order(bus) -> None:  # noq
     assert path.captured == pub.published == 2 * n_sites
 
 
-def test_a_failed_capture_after_held_ones_keeps_the_counts_exact(bus) -> None:  # noqa: ANN001
+def test_a_failed_capture_after_held_ones_keeps_the_counts_exact(bus) -> None:
     """A capture that fails on the general path packs the held ones first; it is counted once, dropped,
     and raised, and the held ones before it are still counted and sent."""
     pub, path, sub = bus
@@ -132,7 +133,7 @@ def test_a_failed_capture_after_held_ones_keeps_the_counts_exact(bus) -> None:  
     assert (path.captured, path.dropped, pub.published) == (4, 1, 3)
 
 
-def test_a_held_capture_of_a_dtype_the_wire_lacks_is_counted_and_dropped(bus) -> None:  # noqa: ANN001
+def test_a_held_capture_of_a_dtype_the_wire_lacks_is_counted_and_dropped(bus) -> None:
     """A contiguous decode capture is held before its dtype is looked at; the step's end finds the dtype has
     no wire code, and counts it captured once and dropped."""
     pub, path, sub = bus
@@ -148,7 +149,7 @@ def test_a_held_capture_of_a_dtype_the_wire_lacks_is_counted_and_dropped(bus) ->
     assert any("cannot be published" in str(w.message) for w in caught), caught
 
 
-def test_a_deferred_step_goes_out_as_groups_within_the_bundle_limit(bus) -> None:  # noqa: ANN001
+def test_a_deferred_step_goes_out_as_groups_within_the_bundle_limit(bus) -> None:
     """A decode step's captures of one shape share one header and the token ids (a group); a step larger than a
     bundle is split into groups of several bundles, none over the limit, and arrives whole, in order, bit-exact."""
     pub, path, sub = bus
@@ -172,7 +173,7 @@ def test_a_deferred_step_goes_out_as_groups_within_the_bundle_limit(bus) -> None
     assert path.captured == pub.published == 41 and path.dropped == 0
 
 
-def test_a_group_member_that_fails_leaves_the_group_whole_and_the_counts_exact(bus) -> None:  # noqa: ANN001
+def test_a_group_member_that_fails_leaves_the_group_whole_and_the_counts_exact(bus) -> None:
     """A member whose bytes cannot be appended (here: not a buffer) ends its group there: the members before it
     are sent, it and the rest are counted dropped, and the bundle stays well-formed."""
     pub, path, sub = bus

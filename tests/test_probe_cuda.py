@@ -30,7 +30,7 @@ def test_cuda_captures_equal_hidden_states() -> None:
     assert PAD not in caps["layers.0.resid_pre"].token_ids.tolist()
 
 
-def test_a_failed_cuda_capture_frees_its_ring_slot(monkeypatch) -> None:  # noqa: ANN001
+def test_a_failed_cuda_capture_frees_its_ring_slot(monkeypatch) -> None:
     """As on CPU: a capture that fails after taking its pinned ring slot must not block the ring. Here the slot
     is freed at the step's event, after any copy already queued into it."""
     from test_probe_hardening import check_ring_survives_a_failed_capture, fail_first_copy

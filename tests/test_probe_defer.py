@@ -21,8 +21,8 @@ def _clones(model: torch.nn.Module) -> tuple[dict[tuple[int, int], torch.Tensor]
     got: dict[tuple[int, int], torch.Tensor] = {}
     calls = [0] * len(model.model.layers)
 
-    def keep(i: int):  # noqa: ANN202
-        def hook(mod, args, out):  # noqa: ANN001, ANN202
+    def keep(i: int):
+        def hook(mod, args, out):
             got[(i, calls[i])] = (out[0] if isinstance(out, tuple) else out).detach().clone().reshape(-1, 64)
             calls[i] += 1
         return hook
@@ -63,7 +63,7 @@ def test_a_tensor_written_after_its_hook_is_dropped_and_later_steps_copy_in_the_
     sub = probe.Subscriber(session.endpoint)
     before: list[torch.Tensor] = []
 
-    def write_into_input(mod, args):  # noqa: ANN001, ANN202
+    def write_into_input(mod, args):
         before.append(args[0].detach().clone().reshape(-1, 64))  # layer 0's output as its hook saw it
         args[0].add_(1.0)  # then layer 1 changes it in place, before the step's end
 
@@ -88,7 +88,7 @@ def test_a_forward_that_raises_keeps_the_captures_it_made() -> None:
     sub = probe.Subscriber(session.endpoint)
     session.wait_for(sub)
 
-    def fail(mod, args):  # noqa: ANN001, ANN202
+    def fail(mod, args):
         raise RuntimeError("the model fails in layer 2")
 
     handle = model.model.layers[2].register_forward_pre_hook(fail)
@@ -101,7 +101,7 @@ def test_a_forward_that_raises_keeps_the_captures_it_made() -> None:
     assert sorted(c.layer for c in caps) == [0, 1]
 
 
-def _ident(batch: int, seq_len: int = 1):  # noqa: ANN202
+def _ident(batch: int, seq_len: int = 1):
     import numpy as np
 
     from probe._identity import DECODE, PREFILL, StepIdentity
@@ -113,9 +113,9 @@ def _ident(batch: int, seq_len: int = 1):  # noqa: ANN202
 
 def test_vllm_steps_defer_only_after_a_check_on_the_engine_and_an_in_place_write_turns_deferral_off() -> None:
     """vLLM runs under inference_mode (no version counters): whether its kernels write into a captured tensor
-    after the hook is checked on the running engine (`probe/_vllm_defer.py`), per batch size."""
+    after the hook is checked on the running engine (`probe/vllm/_defer.py`), per batch size."""
     from probe._sites import SiteKey
-    from probe._vllm_defer import EVERY, Deferral
+    from probe.vllm._defer import EVERY, Deferral
 
     key = SiteKey.of("layers.0.resid_post")
     defer = Deferral(enabled=True)

@@ -66,7 +66,7 @@ def test_default_endpoint_is_private_and_remote_binds_are_refused() -> None:
     assert tapped(model) == 0
 
 
-def test_a_vllm_engine_refuses_remote_binds_too(capsys) -> None:  # noqa: ANN001
+def test_a_vllm_engine_refuses_remote_binds_too(capsys) -> None:
     """The vLLM attach checks the endpoint before it asks any worker (no engine is needed to see it refuse):
     from Python and from `probebus attach --vllm`, which reports it in one line."""
     import probe.vllm

@@ -21,6 +21,7 @@ import zmq
 from models import build
 
 import probe
+from probe._decode import decode_group
 from probe._wire import (
     BUNDLE_TOPIC,
     ERROR_KINDS,
@@ -28,7 +29,6 @@ from probe._wire import (
     HEADER,
     MAGIC,
     VERSION,
-    decode_group,
     encode_bundle,
     encode_envelope,
     encode_group,
@@ -189,12 +189,12 @@ def test_captures_larger_than_the_ring_stay_bounded(tmp_path: Path) -> None:
     assert len(caps) == 20 and all(c.n_tokens == 1500 for c in caps) and grew < 40, grew
 
 
-def fail_first_copy(monkeypatch, owner: object, name: str) -> None:  # noqa: ANN001
+def fail_first_copy(monkeypatch, owner: object, name: str) -> None:
     """Make the copy helper `owner.<name>` (a static method of a class, or a module's function) raise on its first
     call only: a copy that fails is a fault we cannot cause for real."""
     real, calls = getattr(owner, name), []
 
-    def fail_once(*args):  # noqa: ANN002, ANN202
+    def fail_once(*args):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected copy failure")
@@ -203,7 +203,7 @@ def fail_first_copy(monkeypatch, owner: object, name: str) -> None:  # noqa: ANN
     monkeypatch.setattr(owner, name, staticmethod(fail_once) if isinstance(owner, type) else fail_once)
 
 
-def check_ring_survives_a_failed_capture(model: torch.nn.Module, forward) -> None:  # noqa: ANN001
+def check_ring_survives_a_failed_capture(model: torch.nn.Module, forward) -> None:
     """13 forwards of 128 KiB captures into a ring that holds two, the first failing: the other 12 arrive.
     The ring frees its slots in order, so a slot the failed capture left staged would drop all but about one."""
     with probe.attach(model, "layers.0.resid_post", policy="best_effort", capacity_bytes=300 << 10) as session:
@@ -220,7 +220,7 @@ def check_ring_survives_a_failed_capture(model: torch.nn.Module, forward) -> Non
 
 
 @pytest.mark.parametrize("rows", ["all", "some"])
-def test_a_failed_large_capture_frees_its_ring_slot(monkeypatch, rows: str) -> None:  # noqa: ANN001
+def test_a_failed_large_capture_frees_its_ring_slot(monkeypatch, rows: str) -> None:
     """Every row of a contiguous activation is one memmove into the ring; rows picked out of padding go through
     numpy (`_copy_rows`). A failure in either must free the slot."""
     import probe._copy as copy_path
@@ -446,7 +446,7 @@ def test_a_subscriber_that_reconnects_in_a_loop_does_not_keep_a_closed_session_o
 PINNED = textwrap.dedent("""
     import json, os, sys
     from probe._publisher import Publisher
-    from probe._vllm_worker import spare_cpus
+    from probe.vllm._worker import spare_cpus
     os.sched_setaffinity(0, {0})  # as a vLLM CPU worker binds itself to its OpenMP core
     before = set(os.listdir("/proc/self/task"))
     cpus = spare_cpus() if sys.argv[1] == "spare" else {4096} if sys.argv[1] == "bogus" else None

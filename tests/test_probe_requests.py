@@ -1,6 +1,6 @@
 """A vLLM session's request map on the bus: the whole map in the info, only new entries per step.
 
-The publisher side is driven here directly (what `probe/_vllm_worker.py` does at a step's end),
+The publisher side is driven here directly (what `probe/vllm/_worker.py` does at a step's end),
 so the main suite covers it without vLLM; tests/vllm_backend checks it against a real engine.
 The subscriber runs in another process, on real sockets.
 """

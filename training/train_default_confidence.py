@@ -34,7 +34,7 @@ from probebus._code_prompts import code_prompts
 from probebus._load import load_model
 
 
-def record(model, tok, sites: list[str], prompts: list[str], folder: Path, new_tokens: int, batch: int) -> None:  # noqa: ANN001
+def record(model, tok, sites: list[str], prompts: list[str], folder: Path, new_tokens: int, batch: int) -> None:
     with probe.attach(model, sites) as session, exporters.ArrowRecorder(session, folder):
         for i in range(0, len(prompts), batch):
             enc = tok(prompts[i: i + batch], return_tensors="pt", padding=True)

@@ -42,7 +42,7 @@ from probebus.models import DEFAULT_MODEL_DIR
 OUT = Path(__file__).resolve().parents[1] / "probebus" / "models" / "default-drafter"
 
 
-def record(model, tok, prompts: list[str], folder: Path, new_tokens: int, batch: int, soft: bool,  # noqa: ANN001
+def record(model, tok, prompts: list[str], folder: Path, new_tokens: int, batch: int, soft: bool,
            sampled: list[str], temperature: float) -> dict:
     sites = [f"layers.{i}.resid_pre" for i in Eagle3Config.for_target(model.config).aux_layer_ids]
     sites += ["final_norm"] if soft else []
@@ -59,7 +59,7 @@ def record(model, tok, prompts: list[str], folder: Path, new_tokens: int, batch:
             "sampled_prompts": len(sampled), "temperature": temperature, "new_tokens": new_tokens}
 
 
-def evaluate(model, tok, drafter, prompts: list[str], new_tokens: int, k: int,  # noqa: ANN001
+def evaluate(model, tok, drafter, prompts: list[str], new_tokens: int, k: int,
              temperature: float = 0.0) -> dict:
     taus, fwd, emitted = [], 0, 0
     with SpeculativeDecoder(model, drafter, k=k) as spec:
@@ -75,7 +75,7 @@ def evaluate(model, tok, drafter, prompts: list[str], new_tokens: int, k: int,  
             "new_tokens": new_tokens, "k": k, "temperature": temperature}
 
 
-def evaluate_both(model, tok, drafter, temperature: float) -> dict:  # noqa: ANN001
+def evaluate_both(model, tok, drafter, temperature: float) -> dict:
     prompts = code_prompts("heldout", 16)
     return {"greedy": evaluate(model, tok, drafter, prompts, 64, 5),
             "sampled": evaluate(model, tok, drafter, prompts, 64, 5, temperature)}

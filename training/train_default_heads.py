@@ -34,7 +34,7 @@ from probebus.models import DEFAULT_MODEL_DIR
 MODELS = Path(__file__).resolve().parents[1] / "probebus" / "models"
 
 
-def record(model, tok, prompts: list[str], folder: Path, new_tokens: int, batch: int) -> dict:  # noqa: ANN001
+def record(model, tok, prompts: list[str], folder: Path, new_tokens: int, batch: int) -> dict:
     with probe.attach(model, ["final_norm"]) as session, exporters.ArrowRecorder(session, folder) as rec:
         for i in range(0, len(prompts), batch):
             enc = tok(prompts[i: i + batch], return_tensors="pt", padding=True)
@@ -45,7 +45,7 @@ def record(model, tok, prompts: list[str], folder: Path, new_tokens: int, batch:
             "new_tokens": new_tokens}
 
 
-def evaluate(model, tok, drafter, prompts: list[str], new_tokens: int, k: int) -> dict:  # noqa: ANN001
+def evaluate(model, tok, drafter, prompts: list[str], new_tokens: int, k: int) -> dict:
     rounds = acc = fwd = emitted = 0
     with SpeculativeDecoder(model, drafter, k=k, schedule="fixed") as spec:
         for p in prompts:

@@ -323,7 +323,7 @@ def build_model(args: argparse.Namespace, tokenizer: Any):
     return model
 
 
-def build_model_generation_config(tokenizer: Any):  # noqa: ANN201 - a transformers GenerationConfig
+def build_model_generation_config(tokenizer: Any):  # a transformers GenerationConfig
     """Greedy, 64 new tokens, the tokenizer's special ids (shipped as generation_config.json)."""
     from transformers import GenerationConfig
 
@@ -433,7 +433,7 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def train_loop(args, model, optimizer, batches, ditto, eval_ids, tokenizer, heldout, ckpt_path) -> dict[str, Any]:  # noqa: ANN001
+def train_loop(args, model, optimizer, batches, ditto, eval_ids, tokenizer, heldout, ckpt_path) -> dict[str, Any]:
     """Optimise until ``--steps`` or ``--minutes``; checkpoint every ``--ckpt-every`` steps."""
     import torch
     import torch.nn.functional as F

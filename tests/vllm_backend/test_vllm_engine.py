@@ -212,7 +212,7 @@ def test_a_curve_session_admits_only_its_listed_clients(llm) -> None:
 @pytest.fixture(scope="module")
 def compiled_llm():
     """vLLM's default mode (no enforce_eager): the model compiled by Dynamo + Inductor at start-up, with the
-    extension's dormant taps in it (`probe/_vllm_compiled.py`). A step of at most 32 tokens chunks prefills."""
+    extension's dormant taps in it (`probe/vllm/_compiled.py`). A step of at most 32 tokens chunks prefills."""
     engine = vllm.LLM(model=MODEL, dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.15,
                       enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=8,
                       **probe.vllm.ENGINE_KWARGS)

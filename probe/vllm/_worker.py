@@ -1,24 +1,17 @@
 """Probes inside one vLLM worker: the same sites and wire format, identity from vLLM's flat batch.
 
+    probe = VllmProbe(worker, sites, endpoint=None, policy="complete", run=new_run(), ...)  # WorkerExtension does
+    probe.pause(); probe.resume()              # taps off / on between steps
+    probe.close(timeout)                       # the end of stream; returns the final stats
+
 Runs in the worker process (installed by `probe.vllm.WorkerExtension` through
 `collective_rpc`); the caller never imports vLLM for it. vLLM runs one flat batch of
 tokens per step, many requests mixed, prefills chunked; which request, position, token
-and phase each row is comes from the model runner's host arrays (`_vllm_identity.py`).
-
-vLLM's decoder layers pass `(hidden_states, residual)` and fuse the residual add into
-the next norm, which returns `(normed, hidden_states + residual)` (in place with vLLM's C
-kernel on GPUs; the native op that 0.32's CPU build picks returns new tensors):
-that second output is transformers' residual stream, so `resid_pre` and `resid_mid`
-are read from the output of the norm that starts the layer / the MLP half, and
-`resid_post` of layer i from the norm that starts layer i + 1 (the final norm after the
-last layer), copied at once where an in-place kernel's next fused add would overwrite it
-(decode steps on the CPU build wait for the step's end once a check on the running
-engine has shown nothing writes into them: `_vllm_defer.py`). No add of our own
-on the model's thread (a torch op per site per step costs 5-10 us of dispatch there);
-only a layer whose successor runs on another pipeline stage sums its pair itself.
+and phase each row is comes from the model runner's host arrays (`_identity.py`), and
+where each site is read from the model is `_arch.py`.
 
 In vLLM's default compiled mode the same sites are tapped before vLLM compiles the model, and
-`VllmProbe` switches those taps on instead of adding its own (`_vllm_compiled.py`).
+`VllmProbe` switches those taps on instead of adding its own (`_compiled.py`).
 """
 
 from __future__ import annotations
@@ -27,114 +20,29 @@ import logging
 import os
 import socket
 import time
-import uuid
-from functools import partial
 
 import torch
 from torch import nn
 
-from . import _discovery
-from ._arch import LAYER_SITES, ArchitectureError, SiteError
-from ._copy import CopyPath
-from ._curve import curve_settings
-from ._endpoint import bind_address, remove_private
-from ._exit import close_at_exit, closed
-from ._hooks import tap
-from ._identity import StepIdentity
-from ._placement import parent_cpus
-from ._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
-from ._sites import SiteKey
-from ._vllm_compiled import EXTENSION, Dormant, Switch, dormant_of
-from ._vllm_defer import Check, Deferral
-from ._vllm_identity import FlatBatchIdentity
-from ._wire import REQUESTS_TOPIC, VERSION, encode_control
+from .. import _discovery
+from .._copy import CopyPath
+from .._curve import curve_settings
+from .._endpoint import bind_address, remove_private
+from .._exit import close_at_exit, closed
+from .._hooks import tap
+from .._identity import StepIdentity
+from .._placement import parent_cpus
+from .._publisher import MAX_DELAY_S, ZERO_COPY_MIN, Publisher
+from .._sites import SiteKey
+from .._version import __version__
+from .._wire import REQUESTS_TOPIC, VERSION, encode_control
+from ._arch import VllmArch
+from ._common import EXTENSION
+from ._compiled import Dormant, Switch, dormant_of
+from ._defer import Check, Deferral
+from ._identity import FlatBatchIdentity
 
 log = logging.getLogger("probebus")
-
-
-class VllmArch:
-    """Where each site lives in a vLLM Llama-family model (Llama, Mistral, Qwen2/3 ...)."""
-
-    family = "vllm-llama-like"
-
-    def __init__(self, model: nn.Module) -> None:
-        inner = getattr(model, "model", None)
-        layers = getattr(inner, "layers", None)
-        if not isinstance(layers, nn.ModuleList):
-            raise ArchitectureError(f"cannot find `model.layers` in vLLM's {type(model).__name__}; probebus on "
-                                    "vLLM supports Llama-family decoders (Llama, Mistral, Qwen2, Qwen3)")
-        self.model, self.inner, self.layers = model, inner, layers
-        self.local = [i for i, layer in enumerate(layers) if _has(layer, "input_layernorm", "self_attn",
-                                                                   "post_attention_layernorm", "mlp")]
-        if not self.local and not any(type(layer).__name__ == "PPMissingLayer" for layer in layers):
-            raise ArchitectureError(f"{type(layers[0]).__name__} is not a Llama-family decoder layer "
-                                    "(input_layernorm, self_attn, post_attention_layernorm, mlp)")
-        self.embed = getattr(inner, "embed_tokens", None)
-        self.norm = getattr(inner, "norm", None)
-        self.n_layers = len(layers)
-
-    def sites(self) -> list[str]:
-        """Every site of the whole model (all pipeline stages), in forward order."""
-        out = ["embed"]
-        out += [f"layers.{i}.{s}" for i in range(self.n_layers) for s in LAYER_SITES]
-        return out + ["final_norm"]
-
-    def local_sites(self) -> list[str]:
-        """The sites this worker's pipeline stage computes."""
-        out = ["embed"] if _is_module(self.embed) else []
-        out += [f"layers.{i}.{s}" for i in self.local for s in LAYER_SITES]
-        return out + (["final_norm"] if _is_module(self.norm) else [])
-
-    def hook(self, site: str, fn: object) -> object:
-        """Register the hook that hands `fn(key, tensor)` this site's tensor; returns its handle."""
-        key = SiteKey.of(site)
-        if site == "embed":
-            return tap(self.embed, partial(_out, fn, key), pre=False)
-        if site == "final_norm":
-            return tap(self.norm, partial(_out, fn, key), pre=False)
-        _, i, name = site.split(".")
-        layer = self.layers[int(i)]
-        if name == "resid_pre":
-            return tap(layer.input_layernorm, partial(_stream, fn, key), pre=False)
-        if name == "resid_post":
-            nxt = int(i) + 1
-            if nxt < self.n_layers and nxt in self.local:
-                return tap(self.layers[nxt].input_layernorm, partial(_stream, fn, key), pre=False)
-            if nxt == self.n_layers and _is_module(self.norm):
-                return tap(self.norm, partial(_stream, fn, key), pre=False)
-            return tap(layer, partial(_summed_out, fn, key), pre=False)  # the stage ends here
-        if name == "attn_out":
-            return tap(layer.self_attn, partial(_out, fn, key), pre=False)
-        if name == "resid_mid":
-            return tap(layer.post_attention_layernorm, partial(_stream, fn, key), pre=False)
-        if name == "mlp_out":
-            return tap(layer.mlp, partial(_out, fn, key), pre=False)
-        raise SiteError(f"site {site!r} is not defined for vLLM models")
-
-
-def _has(m: nn.Module, *names: str) -> bool:
-    return all(isinstance(getattr(m, n, None), nn.Module) for n in names)
-
-
-def _is_module(m: object) -> bool:
-    return isinstance(m, nn.Module) and type(m).__name__ != "PPMissingLayer"
-
-
-def _out(fn, key, module, args, output) -> None:  # noqa: ANN001
-    fn(key, output[0] if isinstance(output, tuple) else output)
-
-
-def _summed_out(fn, key, module, args, output) -> None:  # noqa: ANN001
-    hidden, residual = output
-    fn(key, hidden if residual is None else hidden + residual)
-
-
-def _stream(fn, key, module, args, output) -> None:  # noqa: ANN001
-    """A norm's view of the residual stream: its fused add's sum, or its input when it had no residual."""
-    if isinstance(output, tuple):
-        fn(key, output[1])
-    elif args and isinstance(args[0], torch.Tensor):  # layer 0 on the first stage: the embedding output
-        fn(key, args[0])
 
 
 class VllmProbe:
@@ -159,8 +67,8 @@ class VllmProbe:
         self.policy = policy
         self.model_name = model_name
         self.started = time.time()
-        # Once: to_diff_dict + JSON + sha256 of the config cost ~1 ms, and `info()` runs at every step that brings
-        # a new request (1.2-1.8 ms a call timed in the worker, once per generate call at batch 1 and 8).
+        # Once: to_diff_dict + JSON + sha256 of the config cost a millisecond, and `info()` runs at every step
+        # that brings a new request (docs/design.md, "Costs behind the code", Session info).
         self._config_hash = _discovery.config_hash(cfg.model_config.hf_config)
         self.sites = [s for s in self.arch.local_sites() if s in set(sites)]
         self.wanted = frozenset(self.sites)
@@ -232,7 +140,7 @@ class VllmProbe:
 
     def _capture(self, key: SiteKey, t: torch.Tensor) -> None:
         deferred = self._deferred
-        if deferred is not None:  # a decode step: copied at its end, with warm caches (`_vllm_defer.py`)
+        if deferred is not None:  # a decode step: copied at its end, with warm caches (`_defer.py`)
             deferred.append((key, t, None))
             return
         try:
@@ -278,7 +186,7 @@ class VllmProbe:
         return _discovery.SessionInfo(
             run=self.run, endpoint=self.endpoint, pid=os.getpid(), model=self.model_name,
             config_hash=self._config_hash, dtype=str(cfg.dtype).removeprefix("torch."),
-            sites=self.sites, policy=self.policy, probebus_version=_version(), wire_version=VERSION,
+            sites=self.sites, policy=self.policy, probebus_version=__version__, wire_version=VERSION,
             started=self.started, host=socket.gethostname(), backend="vllm",
         ).to_dict() | {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
                        "requests": self._flat.requests(), "recomputed": self._flat.recomputed}
@@ -318,7 +226,7 @@ class VllmProbe:
 
 
 def _dormant(cfg: object, model: nn.Module) -> Dormant | None:
-    """The compiled model's dormant taps (`_vllm_compiled.py`); None in eager mode. A compiled model without
+    """The compiled model's dormant taps (`_compiled.py`); None in eager mode. A compiled model without
     them would capture nothing: that is an error naming why."""
     mode = int(cfg.compilation_config.mode)  # type: ignore[attr-defined]
     if mode == 1:  # the runner compiles the outer model with guards: taps added now would put the identity in it
@@ -348,13 +256,3 @@ def spare_cpus() -> set[int] | None:
     model's core. The cores the engine process (our parent) may use are the ones vLLM left."""
     allowed = parent_cpus() or set(range(os.cpu_count() or 1))
     return (allowed - os.sched_getaffinity(0)) or None
-
-
-def new_run() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__

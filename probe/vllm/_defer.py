@@ -24,9 +24,9 @@ import ctypes
 
 import torch
 
-from ._hooks import DEFER_ROWS  # decode steps of at most this many requests are deferred
-from ._identity import StepIdentity
-from ._sites import SiteKey
+from .._hooks import DEFER_ROWS  # decode steps of at most this many requests are deferred
+from .._identity import StepIdentity
+from .._sites import SiteKey
 
 EVERY = 512  # deferred steps of one batch size between two checks
 

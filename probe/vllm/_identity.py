@@ -25,9 +25,9 @@ token belongs to (`query_start_loc`), how many of its tokens were computed befor
 
 Per-request work is C-level iteration (`map` over dicts, `dict.update`), not a Python loop:
 a serving engine steps with hundreds of requests, and a loop per request cost the worker's
-thread 0.5 ms a step at 256 (README, vLLM). The common step, every running request decoding
-one token, stays in lists: inside a running model each numpy call costs 5-40 us because its
-code is cold between layers, where a list operation costs well under one.
+thread too much a step. The common step, every running request decoding one token, stays in
+lists: inside a running model a numpy call runs cold between layers, where a list operation
+costs far less (both: docs/design.md, "Costs behind the code").
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from operator import add, lt
 import numpy as np
 import torch
 
-from ._identity import DECODE, PREFILL, StepIdentity
+from .._identity import DECODE, PREFILL, StepIdentity
 
 MAX_REQUESTS = 10_000  # request-map entries kept (oldest dropped first), and sent in the session info
 

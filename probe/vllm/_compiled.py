@@ -13,9 +13,9 @@ and when a worker of an engine started with the extension builds a model that vL
 compile, every site the worker computes gets a dormant tap (`Dormant`). Traced by Dynamo, a
 tap appends `(site number, tensor)` to a list, which Dynamo records as a side effect: the
 tensor becomes one more output of the graph and, once the compiled code has run, the list
-holds it (the transformers backend does the same, `_compiled.py`). The outer model
+holds it (the transformers backend does the same, `probe/_compiled.py`). The outer model
 (`LlamaForCausalLM`) is not compiled: its taps run as eager code around the compiled call,
-read the step's identity before it (`_vllm_identity.py`, unchanged) and after it hand the
+read the step's identity before it (`_identity.py`, unchanged) and after it hand the
 staged tensors of the attached session's sites to the copy path, exactly as an eager tap
 would; with no session attached (or paused) they drop them. Attach, pause, resume and detach
 compile nothing: they only set which session, if any, the dormant taps serve.
@@ -23,10 +23,9 @@ compile nothing: they only set which session, if any, the dormant taps serve.
 What the taps cost while dormant: each compiled forward returns every site's tensor too, the
 list is appended to (Python, after the graph) and cleared, and those tensors live until the
 step's end instead of being freed or reused inside the graph (a prefill of T tokens holds
-sites x T x hidden more numbers for that long). Not benchmarked yet. Measured once on the
-2-core CPU VM, shipped default model, vLLM 0.32 CPU: the engine's start (`init engine`,
-compile included) took 21.7 s with the taps and 20.8 s without (single runs on a shared
-machine); attach took 24-44 ms and close 2-6 ms (RPC and the bus's sockets: nothing compiles).
+sites x T x hidden more numbers for that long). Not benchmarked yet; the one timing of the
+engine's start with and without the taps, and of attach and close (RPC and the bus's sockets:
+nothing compiles), is in docs/design.md, "Costs behind the code", Compiled vLLM.
 
 vLLM 0.32 saves compiled models in its cache (~/.cache/vllm/torch_compile_cache) under a hash
 of the engine's config, which leaves out `worker_extension_cls`: a model compiled without the
@@ -51,21 +50,21 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ._hooks import tap
-from ._sites import SiteKey
+from .._hooks import tap
+from .._sites import SiteKey
+from ._arch import VllmArch
 
 log = logging.getLogger("probebus")
-EXTENSION = "probe.vllm.WorkerExtension"
 TAG = "dormant-v1"  # in the worker's config hash: tapped compiled models get their own cache entries
 _ATTR = "_probebus_dormant"  # the outer model's Dormant, in its __dict__
-_watching: list = []
+_watching: list = []  # [the extension class, the hook's handle] once `watch` ran
 
 
-def watch() -> None:
-    """Tap, dormant, every vLLM model a worker of an engine started with the extension builds to compile (once
-    per process)."""
+def watch(extension: type) -> None:
+    """Tap, dormant, every vLLM model a worker of an engine started with `extension` (or a subclass of it) builds
+    to compile (once per process). `probe/vllm/__init__.py` calls it with `WorkerExtension`."""
     if not _watching:
-        _watching.append(torch.nn.modules.module.register_module_module_registration_hook(_on_submodule))
+        _watching.extend([extension, torch.nn.modules.module.register_module_module_registration_hook(_on_submodule)])
 
 
 def _on_submodule(module: nn.Module, name: str, value: object) -> None:
@@ -95,9 +94,7 @@ def _extended(path: str) -> bool:
     """Whether the engine's worker extension is ours (or a subclass): vLLM imported it before building the model."""
     module, _, name = path.rpartition(".")
     cls = getattr(sys.modules.get(module), name, None)
-    from .vllm import WorkerExtension
-
-    return isinstance(cls, type) and issubclass(cls, WorkerExtension)
+    return isinstance(cls, type) and issubclass(cls, _watching[0])
 
 
 def dormant_of(model: nn.Module) -> Dormant | str | None:
@@ -110,8 +107,6 @@ class Dormant:
     or None) decides at the step's end whether they are captured or dropped."""
 
     def __init__(self, outer: nn.Module, inner: nn.Module) -> None:
-        from ._vllm_worker import VllmArch
-
         self.staged: list[tuple[int, torch.Tensor]] = []
         self.probe: object = None
         self.forwards = 0  # forwards of the outer model since start-up
