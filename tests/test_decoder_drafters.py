@@ -94,6 +94,21 @@ def test_the_target_as_its_own_draft_model_has_every_draft_accepted() -> None:
     assert out.stats.tau == 5.0 and out.stats.target_forwards == 1 + 4
 
 
+def test_a_draft_model_drafts_in_every_call_of_a_decoder() -> None:
+    """A drafter that reads token ids (no probe session) learns each call's committed tokens whatever the probes'
+    state: the second call of a decoder once found nothing committed and raised ("draft() before any tokens were
+    committed", `probebus generate --drafter draft-model --prompts` on its third prompt)."""
+    model = build("llama", layers=4)
+    with SpeculativeDecoder(model, DraftModelDrafter(model), k=4, schedule="fixed") as spec:
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=13,
+                                  do_sample=False, eos_token_id=None, pad_token_id=PAD)
+            out = spec.generate(ids, max_new_tokens=13, pad_token_id=PAD)
+            assert torch.equal(out.sequences, want)
+            assert out.stats.accepted == out.stats.drafted > 0 and out.stats.tau == 5.0
+
+
 # --- sampling: a target with 8 tokens, many rows, exact distribution by enumeration ----------------------------------
 V = 8
 ROWS = 6000

@@ -257,9 +257,11 @@ class SpeculativeDecoder:
         run.stats.prefill_s += time.perf_counter() - tv
         run.stats.target_forwards += 1
         run.stats.emitted = run.b
-        if len(self.drafters) > 0 and self.target.capturing:
+        readers = self.drafters.readers(self.target.capturing)
+        if readers:
             lens = torch.tensor(run.lens)
-            run.add_feed((self.session.step if self.session is not None else 0, torch.zeros_like(lens), lens - 1))
+            run.add_feed((self.session.step if self.session is not None else 0, torch.zeros_like(lens), lens - 1),
+                         readers)
         if run.ngram is not None:
             for r, t in enumerate(first):
                 run.ngram[r].extend([t])
@@ -302,16 +304,15 @@ class SpeculativeDecoder:
         if self.ngram_tree:  # batch 1: the chosen chain and its free candidates in one tree, where that pays
             widened = widen(run, drafts, self.cost, self.k, self.ngram_tree, self.target.capturing)
             if widened is not None:
-                ngram_tree_round(run, self.target, drafts, widened, t_round, self.cost, self.k,
-                                 feed=len(self.drafters) > 0)
+                ngram_tree_round(run, self.target, drafts, widened, t_round, self.cost, self.k, self.drafters)
                 return
         t_verify = time.perf_counter()
         slot = self.drafters.slots[run.cur] if len(self.drafters) > 0 else None
         logits = forward_round(run, drafts, self.target, slot.feeder if slot else None, self.cost, self.k)
         n_acc, nxt = verify_round(run, drafts, logits, slot.d2t if slot else None)
-        feed = slot is not None and self.target.capturing  # a model drafter reads this forward's features
+        readers = self.drafters.readers(self.target.capturing)  # the model drafters that read this forward
         step = self.session.step if self.session is not None else 0
-        kept = run.keep(n_acc, nxt, drafts.tokens, step if feed else None)
+        kept = run.keep(n_acc, nxt, drafts.tokens, step if readers else None, readers)
         account(run, drafts, n_acc, kept, (t_round, t_verify), self.cost if drafting else None, self.target.capturing)
 
     @staticmethod

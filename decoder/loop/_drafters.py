@@ -69,6 +69,12 @@ class ModelDrafters:
                 run.stats.bus_s += slot.feeder.draft(feeds, run.toks, 0, run.temperature, None, None).bus_s
         return bool(ready)
 
+    def readers(self, capturing: bool) -> list[bool] | None:
+        """Per slot, whether it reads the forward just run: a drafter of features only while the probes publish,
+        one of token ids (a draft model, layer skip) always; None when none does."""
+        readers = [capturing or not slot.sites for slot in self.slots]
+        return readers if any(readers) else None
+
     def close(self) -> None:
         """The feeders first: the session then has no one to wait for at its end of stream (the decoder closes it)."""
         for slot in self.slots:

@@ -3,7 +3,7 @@ one target forward.
 
     widened = widen(run, drafts, cost, k, nodes, capturing)   # None: only the chosen chain pays; verify a chain
     if widened is not None:
-        ngram_tree_round(run, target, drafts, widened, t_round, cost, k, feed)
+        ngram_tree_round(run, target, drafts, widened, t_round, cost, k, drafters)
 
 Why: on the CPU a target forward costs nearly the same for a few to a dozen tokens, and candidates that cost no
 forward of their own are at hand: what followed the n-gram suffix's earlier occurrences (the index keeps
@@ -38,6 +38,7 @@ from ._tree_round import verify_tree
 if TYPE_CHECKING:
     from ..schedule import CostModel
     from ._chain_round import RoundDrafts
+    from ._drafters import ModelDrafters
     from ._run import Run
     from ._target import Target
 
@@ -114,14 +115,14 @@ def _path_tokens(tree: Tree, i: int) -> list[int]:
 
 
 def ngram_tree_round(run: Run, target: Target, drafts: RoundDrafts, widened: tuple[Tree, list[int]], tr: float,
-                     cost: CostModel, k: int, feed: bool) -> list[list[int]]:
-    """Verify the widened proposal in one forward, commit the accepted branch, and account for the round; feed:
-    a model drafter reads the probes."""
+                     cost: CostModel, k: int, drafters: ModelDrafters) -> list[list[int]]:
+    """Verify the widened proposal in one forward, commit the accepted branch (the drafters that read this forward
+    get its feed), and account for the round."""
     tree, sources = widened
     tv = time.perf_counter()
     if target.session is not None:  # a model drafter resting for a while: the probes come off meanwhile
         target.capture(target.awake(run, cost, k))
-    kept, path = verify_tree(run, target, tree, feed)
+    kept, path = verify_tree(run, target, tree, drafters.readers(target.capturing))
     on_path = set(path)
     for i, p in enumerate(tree.parents):  # each n-gram alternative's own first node whose parent was reached
         if sources[i] > 0 and (p < 0 or (sources[p] != sources[i] and p in on_path)):

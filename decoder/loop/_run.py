@@ -104,10 +104,12 @@ class Run:
         self.no_drafts = torch.zeros(b, 0, dtype=torch.long)
         self.row_rounds = [1] * b  # rounds each row took part in (the prefill counts one)
 
-    def add_feed(self, feed: tuple) -> None:
-        """A forward every model drafter may read (each takes it when it next drafts)."""
-        for feeds in self.feeds_by:
-            feeds.append(feed)
+    def add_feed(self, feed: tuple, readers: list[bool] | None = None) -> None:
+        """A forward the model drafters may read (each takes it when it next drafts); `readers`: per drafter,
+        whether it reads this one (default: every one)."""
+        for j, feeds in enumerate(self.feeds_by):
+            if readers is None or readers[j]:
+                feeds.append(feed)
 
     def take_feeds(self) -> list[tuple]:
         """The current drafter's unread forwards; its list starts over."""
@@ -246,15 +248,15 @@ class Run:
         return kept
 
     def keep(self, n_acc: list[int], nxt: list[int], drafts: torch.Tensor, feed_step: int | None,
-             remap: tuple[int, torch.Tensor] | None = None) -> list[list[int]]:
+             readers: list[bool] | None = None, remap: tuple[int, torch.Tensor] | None = None) -> list[list[int]]:
         """Commit a verified round and pass it on: each row's accepted drafts and next token (`commit`), the
-        forward's feed for the model drafters (`feed_step`: the probe session's step of it; None when no drafter
-        reads it; `remap`: a tree forward's (base, real position of each node)), the n-gram indices and the
-        streamer. Returns the tokens kept per row."""
+        forward's feed for the model drafters (`feed_step`: the probe session's step of it, None when no drafter
+        reads it; `readers`: which do; `remap`: a tree forward's (base, real position of each node)), the n-gram
+        indices and the streamer. Returns the tokens kept per row."""
         kept = self.commit(n_acc, nxt, drafts)
         span = self.advance(feed_step is not None)
         if span is not None:
-            self.add_feed((feed_step, *span) if remap is None else (feed_step, *span, remap))
+            self.add_feed((feed_step, *span) if remap is None else (feed_step, *span, remap), readers)
         if self.ngram is not None:
             for r, t in enumerate(kept):
                 if t:

@@ -59,15 +59,16 @@ def tree_round(run: Run, target: Target, feeder: Feeder, cost: CostModel, k: int
         tree = tree.top(tree.budget(curve))
     t1 = time.perf_counter()
     target.capture(True)
-    kept, path = verify_tree(run, target, tree, feed=True)
+    kept, path = verify_tree(run, target, tree, readers=[True])  # one drafter, its probes on
     account_tree(run, tree, path, kept, (t0, t1, time.perf_counter()), len(tree), cost, capturing=True)
     return kept
 
 
-def verify_tree(run: Run, target: Target, tree: Tree, feed: bool) -> tuple[list[list[int]], list[int]]:
+def verify_tree(run: Run, target: Target, tree: Tree,
+                readers: list[bool] | None) -> tuple[list[list[int]], list[int]]:
     """One target forward over [last, tree nodes] (batch 1), then keep the accepted branch: its K/V, its tokens
-    (streamer and n-gram index too) and, with `feed` (a model drafter reads the probes), the feed of its real
-    positions. Returns (tokens kept, accepted node indices)."""
+    (streamer and n-gram index too) and, for the model drafters that read this forward (`readers`, None: none),
+    the feed of its real positions. Returns (tokens kept, accepted node indices)."""
     n, last, cols = len(tree), run.last[0], run.cols
     run.reserve(n + 1)
     dev = run.device
@@ -89,5 +90,5 @@ def verify_tree(run: Run, target: Target, tree: Tree, feed: bool) -> tuple[list[
         real[i + 1] = last + 1 + j
     step = target.session.step if target.session is not None else 0
     kept = run.keep([len(path)], [nxt], torch.tensor([[tree.tokens[i] for i in path]], dtype=torch.long),
-                    step if feed and target.capturing else None, remap=(last, real))
+                    step if readers else None, readers, remap=(last, real))
     return kept, path
