@@ -7,6 +7,7 @@ tests/test_exporters_interop.py, beside a recording; one whose first line is `# 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -99,21 +100,77 @@ def test_readme_is_short_and_every_link_resolves() -> None:
     assert len(BLOCKS) >= 8  # README and guide: capture, record, speculative, vLLM, ...
 
 
-@pytest.mark.parametrize("name, code, need", BLOCKS, ids=[b[0] for b in BLOCKS])
-def test_doc_snippet_runs(name: str, code: str, need: str | None, tmp_path: Path) -> None:
+def _can_run(need: str | None) -> str | None:
+    """Why a block cannot run here, or None."""
     if need == "vllm" and importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs vLLM (.ci/run runs it in vLLM's own environment)")
+        return "needs vLLM (.ci/run runs it in vLLM's own environment)"
     if need == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            pytest.skip("needs a CUDA device")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, f"{name} failed:\n{code}\n{r.stderr[-3000:]}"
-    assert r.stdout.strip(), f"{name} printed nothing"
-    assert "session is closed" not in r.stderr
+            return "needs a CUDA device"
+    return None
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _run_document(doc: str, tmp: Path) -> dict[str, tuple[int, str, str]]:
+    """Every block of `doc` that can run here, in one process (tests/_snippet_runner.py: each in a fresh folder,
+    with fresh globals, its own stdout and stderr): name -> (exit status, stdout, stderr), for the blocks that ran
+    to their end in a runner that then exited cleanly. A block missing here is run in a process of its own."""
+    plan = []
+    for i, (name, code, need) in enumerate(b for b in BLOCKS if b[0].split(":")[0] == doc):
+        if _can_run(need) is None:
+            (tmp / str(i)).mkdir()
+            plan.append({"name": name, "code": code, "cwd": str(tmp / str(i)), "out": str(tmp / f"{i}.out"),
+                         "err": str(tmp / f"{i}.err"), "rc": str(tmp / f"{i}.rc")})
+    (tmp / "plan.json").write_text(json.dumps(plan))
+    try:
+        r = subprocess.run([sys.executable, str(ROOT / "tests" / "_snippet_runner.py"), str(tmp / "plan.json")],
+                           cwd=tmp, env=_env(), capture_output=True, text=True, timeout=300 * max(len(plan), 1))
+    except subprocess.TimeoutExpired:
+        return {}
+    if r.returncode != 0 or "session is closed" in r.stderr:  # at the runner's exit: no block to pin it on
+        return {}
+    return {b["name"]: (int(Path(b["rc"]).read_text()), Path(b["out"]).read_text(), Path(b["err"]).read_text())
+            for b in plan if Path(b["rc"]).exists()}
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """name -> (exit status, stdout, stderr) of a block run beside the other blocks of its document."""
+    runs: dict[str, dict[str, tuple[int, str, str]]] = {}
+
+    def get(name: str) -> tuple[int, str, str] | None:
+        doc = name.split(":")[0]
+        if doc not in runs:
+            runs[doc] = _run_document(doc, tmp_path_factory.mktemp("doc"))
+        return runs[doc].get(name)
+    return get
+
+
+@pytest.mark.parametrize("name, code, need", BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_doc_snippet_runs(name: str, code: str, need: str | None, tmp_path: Path, shared_runs) -> None:  # noqa: ANN001
+    """Each block runs as printed, as `python -c` in a fresh folder. The blocks of a document share one process
+    (one import of torch, transformers and the model); a block that does not pass cleanly there runs again in a
+    process of its own, and that run is the one judged: no block fails by what another left behind (and none passes
+    by another's names or files: each has its own globals and folder)."""
+    why = _can_run(need)
+    if why:
+        pytest.skip(why)
+    shared = shared_runs(name)
+    ok = shared is not None and shared[0] == 0 and shared[1].strip() and "session is closed" not in shared[2]
+    if ok:
+        rc, out, err = shared
+    else:
+        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                           timeout=300)
+        rc, out, err = r.returncode, r.stdout, r.stderr
+    assert rc == 0, f"{name} failed:\n{code}\n{err[-3000:]}"
+    assert out.strip(), f"{name} printed nothing"
+    assert "session is closed" not in err
 
 
 def test_query_tools_have_an_extra_named_where_they_are_used() -> None:
