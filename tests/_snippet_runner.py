@@ -1,24 +1,30 @@
-"""Runs several doc snippets in one interpreter, each as `python -c CODE` would run it, one after the other:
-`python tests/_snippet_runner.py PLAN.json`. PLAN lists {"name", "code", "cwd", "out", "err", "rc"}: each snippet
-runs in its own folder (`cwd`), with fresh globals named `__main__`, its file descriptors 1 and 2 sent to the files
-`out` and `err` (subprocesses and C code included), and its exit status (what `python -c` would have returned) is
-written to `rc` once it is done and its objects are collected. Importing torch, transformers and the model once
-for a whole document is what this saves; tests/test_examples.py reruns a snippet that fails here in a process of
-its own, so a snippet is never failed by what another left behind."""
+"""Runs several doc snippets or example scripts in one interpreter, one after the other, each as `python -c CODE`
+(or `python PATH ARGS`) would: `python tests/_snippet_runner.py PLAN.json`. PLAN lists {"name", "code" (or "path"
+and "args"), "cwd", "out", "err", "rc"}: each runs in its own folder (`cwd`), with fresh globals named `__main__`,
+its file descriptors 1 and 2 sent to the files `out` and `err` (subprocesses and C code included), and its exit
+status (what `python -c` would have returned) is written to `rc` once it is done and its objects are collected.
+Importing torch, transformers and the model once for all of them is what this saves; tests/test_examples.py reruns
+one that does not pass cleanly here in a process of its own, so none is failed by what another left behind."""
 
 from __future__ import annotations
 
 import gc
 import json
 import os
+import runpy
 import sys
 import traceback
 
 
-def _run(code: str, name: str) -> int:
-    ns = {"__name__": "__main__", "__builtins__": __builtins__}
+def _run(block: dict) -> int:
+    ns: dict = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
-        exec(compile(code, name, "exec"), ns)
+        if "path" in block:  # as `python PATH ARGS`: __main__ is the script's (so a spawned child finds it)
+            sys.argv = [block["path"], *block["args"]]
+            ns = runpy.run_path(block["path"], run_name="__main__")
+        else:
+            sys.argv = ["-c"]
+            exec(compile(block["code"], block["name"], "exec"), ns)
     except SystemExit as e:  # what `python -c` makes of it
         if e.code is None or e.code == 0:
             return 0
@@ -39,7 +45,6 @@ def main() -> None:
     plan = json.loads(open(sys.argv[1]).read())  # noqa: SIM115
     for block in plan:
         os.chdir(block["cwd"])
-        sys.argv = ["-c"]
         sys.stdout.flush()
         sys.stderr.flush()
         saved = os.dup(1), os.dup(2)
@@ -47,7 +52,7 @@ def main() -> None:
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
             try:
-                rc = _run(block["code"], block["name"])
+                rc = _run(block)
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
