@@ -1,6 +1,6 @@
 """What a first day with the command line hits, on the shipped model and real recordings: plots scaled per kind of
-site, site patterns as people type them, tables not clipped when stdout is not a terminal, plurals, an
-interrupted recording's summary."""
+site, site patterns as people type them, tables not clipped when stdout is not a terminal, plurals. An
+interrupted recording's status line is checked in tests/test_exporters_hardening.py, on the one it interrupts."""
 
 from __future__ import annotations
 
@@ -132,26 +132,6 @@ def test_tables_are_not_clipped_when_stdout_is_not_a_terminal(tmp_path: Path) ->
     r = _probebus("inspect", str(tmp_path / "rec"), cwd=tmp_path, COLUMNS="")
     assert r.returncode == 0 and "\x1b[" not in r.stdout
     assert any("model" in ln and "(config " in ln and ln.rstrip().endswith(")") for ln in r.stdout.splitlines())
-
-
-def test_an_interrupted_recording_says_so_in_its_status(tmp_path: Path) -> None:
-    import signal
-
-    from _exporters_helpers import record_until_rows
-
-    out = tmp_path / "rec"
-    proc = record_until_rows(out, tmp_path, _env())
-    try:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
-    status = [ln for ln in err.splitlines() if "status" in ln]
-    assert len(status) == 1 and "stopped by SIGINT" in status[0] and "complete up to there" in status[0], err
-    assert "probebus record: stopped by SIGINT" in err
 
 
 def test_train_drafter_on_a_small_recording_holds_one_out_and_ends_with_a_table(
