@@ -1,6 +1,6 @@
 """What a first day with the command line hits, on the shipped model and real recordings: plots scaled per kind of
-site, site patterns as people type them, tables not clipped when stdout is not a terminal, plurals, an
-interrupted recording's summary."""
+site, site patterns as people type them, tables not clipped when stdout is not a terminal, plurals. An
+interrupted recording's status line is checked in tests/test_exporters_hardening.py, on the one it interrupts."""
 
 from __future__ import annotations
 
@@ -134,33 +134,16 @@ def test_tables_are_not_clipped_when_stdout_is_not_a_terminal(tmp_path: Path) ->
     assert any("model" in ln and "(config " in ln and ln.rstrip().endswith(")") for ln in r.stdout.splitlines())
 
 
-def test_an_interrupted_recording_says_so_in_its_status(tmp_path: Path) -> None:
-    import signal
-
-    from _exporters_helpers import record_until_rows
-
-    out = tmp_path / "rec"
-    proc = record_until_rows(out, tmp_path, _env())
-    try:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
-    status = [ln for ln in err.splitlines() if "status" in ln]
-    assert len(status) == 1 and "stopped by SIGINT" in status[0] and "complete up to there" in status[0], err
-    assert "probebus record: stopped by SIGINT" in err
-
-
-def test_train_drafter_on_a_small_recording_holds_one_out_and_ends_with_a_table(tmp_path: Path) -> None:
+def test_train_drafter_on_a_small_recording_holds_one_out_and_ends_with_a_table(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recording and the --holdout 0 run in this process (`record` runs in a fresh one in the fixture above),
+    the run that prints the table in a fresh one."""
     prompts = tmp_path / "p.txt"
     prompts.write_text("def add(a, b):\nimport os\nclass Queue:\nfor i in range(10):\n")
-    r = _probebus("record", "--model", "default", "--prompts", str(prompts), "--sites",
-                  "layers.2.resid_pre,layers.4.resid_pre,layers.5.resid_pre", "--max-new-tokens", "24", "--out",
-                  str(tmp_path / "rec"), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    monkeypatch.chdir(tmp_path)
+    assert main(["record", "--model", "default", "--prompts", str(prompts), "--sites",
+                 "layers.2.resid_pre,layers.4.resid_pre,layers.5.resid_pre", "--max-new-tokens", "24", "--out",
+                 str(tmp_path / "rec")]) == 0, capsys.readouterr().err
     r = _probebus("train-drafter", "--model", "default", "--recording", str(tmp_path / "rec"), "--out",
                   str(tmp_path / "drafter"), "--steps", "3", "--window", "16", "--batch", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -169,14 +152,15 @@ def test_train_drafter_on_a_small_recording_holds_one_out_and_ends_with_a_table(
     assert rows["sequences held out"] == "1" and rows["sequences trained on"] == "3", r.stdout
     assert rows["held-out acceptance by position"].startswith("["), r.stdout
     assert "no held-out report" not in r.stderr
-    r = _probebus("train-drafter", "--model", "default", "--recording", str(tmp_path / "rec"), "--out",
-                  str(tmp_path / "d0"), "--steps", "2", "--window", "16", "--batch", "2", "--holdout", "0", "--json",
-                  cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    capsys.readouterr()
+    code = main(["train-drafter", "--model", "default", "--recording", str(tmp_path / "rec"), "--out",
+                 str(tmp_path / "d0"), "--steps", "2", "--window", "16", "--batch", "2", "--holdout", "0", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
     import json
 
-    assert json.loads(r.stdout.strip().splitlines()[-1])["heldout_sequences"] == 0
-    assert "probebus train-drafter: no held-out report: --holdout 0" in r.stderr  # said, not silently skipped
+    assert json.loads(out.strip().splitlines()[-1])["heldout_sequences"] == 0
+    assert "probebus train-drafter: no held-out report: --holdout 0" in err  # said, not silently skipped
 
 
 def test_a_recording_into_datasets(recording: Path) -> None:

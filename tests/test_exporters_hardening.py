@@ -98,9 +98,10 @@ def test_big_capture_of_a_new_shape_does_not_deadlock(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_finishes_files_and_manifest(tmp_path: Path, sig: signal.Signals) -> None:
-    """SIGINT/SIGTERM during generation: the command stops within seconds, with every file finished."""
+    """SIGINT/SIGTERM during generation: the command stops within seconds, with every file finished, and its
+    status says so (one line, the signal named, as a person at the terminal reads it)."""
     out = tmp_path / "rec"
-    proc = record_until_rows(out, ROOT, _env())
+    proc = record_until_rows(out, tmp_path, _env())
     try:
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         t0 = time.monotonic()
@@ -113,6 +114,9 @@ def test_signal_finishes_files_and_manifest(tmp_path: Path, sig: signal.Signals)
             proc.wait(10)
     assert proc.returncode == 128 + sig, err[-2000:]
     assert took < 20 and "Traceback" not in err
+    status = [ln for ln in err.splitlines() if "status" in ln]
+    assert len(status) == 1 and f"stopped by {sig.name}" in status[0] and "complete up to there" in status[0], err
+    assert f"probebus record: stopped by {sig.name}" in err
     manifest = _assert_finished(out)
     assert manifest["interrupted"] is True
     assert exporters.read_recording(out).num_rows == manifest["counts"]["rows"]

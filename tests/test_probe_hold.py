@@ -154,7 +154,7 @@ model = build("llama")
 session = probe.attach(model, "layers.*.resid_post", max_delay=60.0)
 session.publisher._adapt(1.0)  # as if a held send had cost 1 s: the linger is 60 s, nothing leaves before exit
 print(session.endpoint, flush=True)
-session.wait_for_subscribers(1, timeout=30)
+session.wait_for_subscribers(1, timeout=300)  # the children start together: the last waits for 3 tests
 with torch.no_grad():
     for _ in range(4):
         model(torch.tensor([[5, 6, 7, 8]]))
@@ -171,19 +171,33 @@ if how == "session dropped":  # no reference left (as in a function that returne
 """
 
 
-@pytest.mark.parametrize(("how", "rc"), [("normal end", 0), ("sys.exit", 3), ("uncaught exception", 1),
-                                         ("session dropped", 0)])
-def test_held_steps_and_the_end_of_stream_go_out_when_the_process_exits_without_close(how: str, rc: int) -> None:
-    """A process that attaches, steps and exits without close() still sends every held step and the end of
-    stream (at interpreter exit), however it exits: nothing is lost silently."""
+EXITS = [("normal end", 0), ("sys.exit", 3), ("uncaught exception", 1), ("session dropped", 0)]
+
+
+@pytest.fixture(scope="module")
+def exiting_children():  # noqa: ANN201
+    """One EXITING process per way to exit, all started at once (their imports overlap): how -> Popen. Each waits
+    for its test's subscriber before it steps."""
     import os
     import subprocess
     import sys
 
     tests = os.path.dirname(__file__)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests])}
-    child = subprocess.Popen([sys.executable, "-c", EXITING, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
+    children = {how: subprocess.Popen([sys.executable, "-c", EXITING, how], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env) for how, _ in EXITS}
+    yield children
+    for child in children.values():
+        child.kill()
+        child.communicate()
+
+
+@pytest.mark.parametrize(("how", "rc"), EXITS)
+def test_held_steps_and_the_end_of_stream_go_out_when_the_process_exits_without_close(
+        how: str, rc: int, exiting_children: dict) -> None:
+    """A process that attaches, steps and exits without close() still sends every held step and the end of
+    stream (at interpreter exit), however it exits: nothing is lost silently."""
+    child = exiting_children[how]
     try:
         endpoint = child.stdout.readline().strip()
         assert endpoint, child.stderr.read()
