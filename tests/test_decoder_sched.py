@@ -14,8 +14,7 @@ from models import EOS, PAD, build, left_padded
 from decoder import NgramDrafter, SpeculativeDecoder
 from decoder.drafters import Eagle3Config, Eagle3Drafter
 from decoder.loop import oracle_bound, simulated_seconds
-from decoder.schedule import CostModel, DraftPlan
-from decoder.schedule._cost import PathChoice
+from decoder.schedule import CostModel, DraftPlan, PathChoice
 
 
 def test_cost_curve_is_measured_once_cached_and_refreshable(tmp_path: Path, monkeypatch) -> None:

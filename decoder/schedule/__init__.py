@@ -3,7 +3,8 @@
     from decoder.schedule import CostModel, DraftPlan, Scheduler
 """
 
-from ._cost import NGRAM_PATHS, PATHS, CostModel, PathChoice
+from ._cost import CostModel
+from ._paths import NGRAM_PATHS, PATHS, PathChoice
 from ._sched import ALTERNATIVES, Choice, DraftPlan, RowFix, Scheduler
 
 __all__ = ["ALTERNATIVES", "Choice", "CostModel", "DraftPlan", "NGRAM_PATHS", "PATHS", "PathChoice", "RowFix",
