@@ -168,7 +168,7 @@ class Runner:
             model = self.model
             if self.name == "HF compiled":  # a fresh static cache a call, as transformers documents it
                 model = compiled_copy(self.model)
-                kw["cache"] = StaticCache(config=model.config, max_cache_len=STATIC_LEN)
+                kw["cache"] = StaticCache(config=model.config, max_cache_len=static_len(enc, new_tokens))
                 enc = enc.to(model.device)
             counter = ForwardCounter(model)
             t0 = time.perf_counter()
@@ -218,7 +218,13 @@ def assistant(model: torch.nn.Module) -> torch.nn.Module:
 
 _ASSISTANT = None
 _COMPILED = None
-STATIC_LEN = 1024  # the static cache's positions: every prompt here and its new tokens fit, one shape for all
+
+
+def static_len(enc: object, new_tokens: int) -> int:
+    """The static cache's positions for a call: its prompt and new tokens, rounded up to 64 (as tight as
+    transformers sizes it, so a decode step attends over what it needs; a few lengths, each compiled in the
+    warm-up)."""
+    return -(-(enc.input_ids.shape[1] + new_tokens) // 64) * 64
 
 
 def compiled_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -275,9 +281,9 @@ def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float
         # Call by call, in a rotating order: blocks of whole sets drifted apart on this VM (plain ran 114-136
         # tok/s between blocks of one evening), which no ratio of block totals can take out.
         chunks = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
-        if "HF compiled" in runners:  # every graph compiled before the clock starts (each prompt's prefill shape)
+        if "HF compiled" in runners:  # every graph compiled before the clock starts (each prompt's shapes)
             for chunk in chunks:
-                runners["HF compiled"].call(chunk, 2, every)
+                runners["HF compiled"].call(chunk, args.new_tokens, every)
         for rep in range(args.repeats):
             for r in every:
                 r.new_repeat()
