@@ -41,6 +41,8 @@ def test_cost_curve_is_measured_once_cached_and_refreshable(tmp_path: Path, monk
     for _ in range(20):
         again.observe_verify(2, 1, 10 * again.verify(2, 1, frozen=True))
     assert again.curve(2, 3)[0] > 2 * frozen[0] and again.curve(2, 3, frozen=True) == frozen
+    model.config._name_or_path = "/somewhere/else/a-copy"  # the same model loaded from another folder: same curve
+    CostModel.for_target(model).ensure(2, 3)
     files[0].write_text("{broken")
     with pytest.raises(AssertionError, match="cached curve"):  # a corrupt cache is measured again
         CostModel.for_target(model).ensure(2, 3)

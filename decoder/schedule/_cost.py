@@ -64,8 +64,16 @@ def _machine_key() -> str:
 
 
 def _model_key(target: nn.Module) -> str:
+    """The architecture, size, dtype and device: what a forward's time depends on. Not where the weights were
+    loaded from (the config's `_name_or_path`): two copies of a model share one curve, and a copy does not keep a
+    curve of its own that nobody refreshes."""
     p = next(target.parameters())
-    cfg = target.config.to_json_string(use_diff=False) if hasattr(target, "config") else type(target).__name__
+    if hasattr(target, "config"):
+        cfg = target.config.to_dict()
+        cfg.pop("_name_or_path", None)
+        cfg = json.dumps(cfg, sort_keys=True, default=str)
+    else:
+        cfg = type(target).__name__
     n = sum(x.numel() for x in target.parameters())
     return hashlib.sha256(f"{cfg}|{n}|{p.dtype}|{p.device}".encode()).hexdigest()[:16]
 
