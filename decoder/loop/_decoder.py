@@ -129,6 +129,7 @@ class SpeculativeDecoder:
         if tree and not isinstance(self.model_drafter, (Eagle3Drafter, MedusaFeeder)):
             raise ValueError("tree drafts need the drafter in this process (Eagle3Drafter or MedusaFeeder)")
         self.tree, self.tree_top_k = tree, tree_top_k
+        self.has_drafter = len(self.drafters) > 0 or self.ngram is not None  # False: every round is a plain step
 
     def path_key(self, batch: int, temperature: float) -> tuple:
         """Whose calls `cost.paths` compares: this batch, greedy or sampling, and this decoder's drafters."""
@@ -166,7 +167,7 @@ class SpeculativeDecoder:
         exactly. `streamer` takes transformers' streamer interface (put(ids), end()); batch 1 only."""
         t0 = time.perf_counter()
         key = self.path_key(input_ids.shape[0], temperature)
-        auto = not self.sched.fixed and seed is None and (len(self.drafters) > 0 or self.ngram is not None)
+        auto = not self.sched.fixed and seed is None and self.has_drafter
         path = self.cost.paths.pick(key, self._paths(input_ids.shape[0], temperature)) if auto else "spec"
         plain = path == "plain"
         if plain and not loop_plain(self.target.device):
@@ -225,7 +226,7 @@ class SpeculativeDecoder:
                   top_p=top_p, seed=seed, streamer=streamer, drafting=drafting, model_drafters=model_drafters)
         for sc in run.scheds:
             sc.new_call()
-        if drafting and (len(self.drafters) > 0 or self.ngram is not None):
+        if drafting and self.has_drafter:
             off = on = None
             if self.session is not None:  # both probe states: capturing forwards cost more (the drafter skips
                 off, on = self.target.probes(False), self.target.probes(True)  # those: nobody told it to read)
@@ -260,8 +261,7 @@ class SpeculativeDecoder:
         readers = self.drafters.readers(self.target.capturing)
         if readers:
             lens = torch.tensor(run.lens)
-            run.add_feed((self.session.step if self.session is not None else 0, torch.zeros_like(lens), lens - 1),
-                         readers)
+            run.add_feed((self.target.step, torch.zeros_like(lens), lens - 1), readers)
         if run.ngram is not None:
             for r, t in enumerate(first):
                 run.ngram[r].extend([t])
@@ -297,8 +297,7 @@ class SpeculativeDecoder:
         """One chain round: plan -> draft -> verify -> commit -> account (a widened n-gram chain verifies as a
         tree)."""
         t_round = time.perf_counter()
-        drafting = len(self.drafters) > 0 or self.ngram is not None
-        plan = plan_round(run, self.drafters, self.cost, self.k, self.target.capturing) if drafting else None
+        plan = plan_round(run, self.drafters, self.cost, self.k, self.target.capturing) if self.has_drafter else None
         drafts = RoundDrafts.plain(run) if plan is None else \
             draft_round(run, plan, self.drafters, self.target, self.cost, self.k)
         if self.ngram_tree:  # batch 1: the chosen chain and its free candidates in one tree, where that pays
@@ -311,9 +310,9 @@ class SpeculativeDecoder:
         logits = forward_round(run, drafts, self.target, slot.feeder if slot else None, self.cost, self.k)
         n_acc, nxt = verify_round(run, drafts, logits, slot.d2t if slot else None)
         readers = self.drafters.readers(self.target.capturing)  # the model drafters that read this forward
-        step = self.session.step if self.session is not None else 0
-        kept = run.keep(n_acc, nxt, drafts.tokens, step if readers else None, readers)
-        account(run, drafts, n_acc, kept, (t_round, t_verify), self.cost if drafting else None, self.target.capturing)
+        kept = run.keep(n_acc, nxt, drafts.tokens, self.target.step if readers else None, readers)
+        account(run, drafts, n_acc, kept, (t_round, t_verify), self.cost if self.has_drafter else None,
+                self.target.capturing)
 
     @staticmethod
     def _choose(run: Run, logits: torch.Tensor) -> torch.Tensor:

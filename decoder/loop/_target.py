@@ -42,6 +42,11 @@ class Target:
         self._valid_off = torch.zeros(1, 1, dtype=torch.bool)
 
     @property
+    def step(self) -> int:
+        """The probe session's step (the forward a feed names), 0 without a session."""
+        return self.session.step if self.session is not None else 0
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 

@@ -84,11 +84,13 @@ def verify_tree(run: Run, target: Target, tree: Tree,
         path, nxt = verify.verify_tree_sampled(tree, p, run.gen)
     keep_path(run.cache, cols, path)
     run.mask[:, cols: cols + len(path) + 1] = 1
-    real = torch.full((n + 1,), -1, dtype=torch.long)  # the probes labelled node j with last + j: map kept ones back
-    real[0] = last
-    for j, i in enumerate(path):
-        real[i + 1] = last + 1 + j
-    step = target.session.step if target.session is not None else 0
+    remap = None
+    if readers:  # the probes labelled node j with last + j: map the kept ones back to their real positions
+        real = torch.full((n + 1,), -1, dtype=torch.long)
+        real[0] = last
+        for j, i in enumerate(path):
+            real[i + 1] = last + 1 + j
+        remap = (last, real)
     kept = run.keep([len(path)], [nxt], torch.tensor([[tree.tokens[i] for i in path]], dtype=torch.long),
-                    step if readers else None, readers, remap=(last, real))
+                    target.step if readers else None, readers, remap=remap)
     return kept, path
