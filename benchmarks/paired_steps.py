@@ -53,10 +53,11 @@ class Toggler(BaseStreamer):
     """Records each decode step's wall and thread CPU time, and switches the probe for the next step between the
     timestamps (`put` runs on the model's thread after every step)."""
 
-    def __init__(self, switch, first_on: bool, block: int = 1) -> None:
-        self.switch, self.state, self.block = switch, first_on, block
+    def __init__(self, switch, first_on: bool, block: int = 1, settle: int = 0) -> None:
+        self.switch, self.state, self.block, self.settle = switch, first_on, block, settle
         self.steps: list[tuple[bool, float, float]] = []  # (probed, wall s, cpu s) per decode step
         self._puts = 0
+        self._n = 0  # decode steps since the last switch
         self._t = (0.0, 0.0)
 
     def put(self, value: torch.Tensor) -> None:
@@ -65,9 +66,11 @@ class Toggler(BaseStreamer):
         if self._puts == 1:  # the prompt: the prefill follows, probed as usual
             return
         if self._puts > 2:  # a decode step just ended
-            self.steps.append((self.state, wall - self._t[0], cpu - self._t[1]))
-            if len(self.steps) % self.block == 0:
-                self.state = not self.state
+            self._n += 1
+            if self._n > self.settle:  # the first steps after a switch pay for the switch (see --settle)
+                self.steps.append((self.state, wall - self._t[0], cpu - self._t[1]))
+            if self._n == self.block:
+                self.state, self._n = not self.state, 0
         self.switch(self.state)
         self._t = (time.perf_counter(), time.thread_time())
 
@@ -118,7 +121,7 @@ def run(model, ids: torch.Tensor, mode: str, endpoints: dict[str, str], first_on
     if ARGS.compiled:
         kw["cache"] = StaticCache(config=model.config, max_cache_len=ids.shape[1] + ARGS.new_tokens)
     if mode == "a/a":
-        clock = Toggler(lambda on: None, first_on, ARGS.block)
+        clock = Toggler(lambda on: None, first_on, ARGS.block, ARGS.settle)
         with torch.no_grad(), model_core(True):
             model.generate(ids, streamer=clock, **kw)
         return clock.steps
@@ -132,7 +135,7 @@ def run(model, ids: torch.Tensor, mode: str, endpoints: dict[str, str], first_on
                 h.remove()
             naive.handles = [layer.register_forward_hook(f) for layer, f in zip(model.model.layers, hook,
                                                                                   strict=True)] if on else []
-        clock = Toggler(switch_naive, first_on, ARGS.block)
+        clock = Toggler(switch_naive, first_on, ARGS.block, ARGS.settle)
         switch_naive(True)
         with torch.no_grad(), model_core(True):
             model.generate(ids, streamer=clock, **kw)
@@ -145,7 +148,7 @@ def run(model, ids: torch.Tensor, mode: str, endpoints: dict[str, str], first_on
             hooks.change("add" if on else "remove", sites)
             assert on or probe._hooks.tapped(model) == 0  # an off step runs as plain generate
         session.wait_for_subscribers(1, timeout=30)
-        clock = Toggler(switch, first_on, ARGS.block)
+        clock = Toggler(switch, first_on, ARGS.block, ARGS.settle)
         with torch.no_grad(), model_core(True):
             model.generate(ids, streamer=clock, **kw)
     assert session.stats.dropped == 0 and session.stats.published == session.stats.captured
@@ -219,7 +222,14 @@ if __name__ == "__main__":
                     help="steps per on or off stretch (default: 1, alternate every step). Longer stretches put "
                          "what a probed step leaves behind for the next one (caches, allocator state) inside "
                          "the probed stretch: if the figure holds with --block 4, little spills over")
+    ap.add_argument("--settle", type=int, default=0,
+                    help="leave out the first N steps after each switch, on and off alike (with --block > N). "
+                         "Compiled, a switch makes the next step's lookup in Dynamo's cache try the other "
+                         "graph's guards first: a cost of switching every step, which a session that stays "
+                         "attached does not pay")
     ARGS = ap.parse_args()
+    if ARGS.settle >= ARGS.block:
+        ap.error("--settle must be smaller than --block")
     if ARGS.quick:
         ARGS.generates, ARGS.new_tokens = 2, 12
     main()

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import zmq
 
@@ -55,6 +56,7 @@ class ControlThread:
     _closing: threading.Event
     _end_body: dict
     _deadline: float
+    idle_packer: Callable[[], None] | None
 
     # --- closing ---------------------------------------------------------------------------------
     def close(self, end_body: dict, timeout: float) -> None:
@@ -85,6 +87,9 @@ class ControlThread:
                 pass
         try:
             while not self._closing.wait(_IDLE_S):
+                packer = self.idle_packer
+                if packer is not None:
+                    packer()  # steps a linger old that wait unpacked: into held bundles, sent just below
                 if self._held and time.monotonic() - self._held_since >= self._linger:
                     self.flush_held(blocking=False)  # the model stopped stepping (or steps slowly): send them
                 if time.monotonic() - self.last_active < 2 * SERVICE_EVERY_S:

@@ -47,6 +47,7 @@ from ._device_copy import DeviceCopies
 from ._held import HeldCaptures
 from ._host import dtype_info, host_bytes, host_rows
 from ._identity import StepIdentity
+from ._pending import PendingSteps
 from ._publisher import ZERO_COPY_MIN, Publisher
 from ._sites import SiteKey
 from ._staging import ALIGN, StagingRing
@@ -55,7 +56,7 @@ from ._wire import MAGIC, VERSION, PerSite, encode_envelope, head_struct
 _memmove = ctypes.memmove
 
 
-class CopyPath(HeldCaptures, BorrowedCaptures):
+class CopyPath(PendingSteps, HeldCaptures, BorrowedCaptures):
     def __init__(self, publisher: Publisher, *, run: bytes, capacity: int, cuda_device: torch.device | None,
                  borrow: bool = False) -> None:
         self.pub = publisher
@@ -75,6 +76,7 @@ class CopyPath(HeldCaptures, BorrowedCaptures):
         # The common small capture (every row real, contiguous, on the host) copies its bytes into the arena at
         # once and is packed into the bundle at the step's end (`_held.py`): see `capture`.
         self._init_arena()
+        self._init_pending()  # decode steps packed many at a time (`_pending.py`)
 
     def capture(self, key: SiteKey, t: torch.Tensor, ident: StepIdentity, *, hold: bool = True) -> None:
         """Stage one capture. One that fails is counted (captured and dropped) here, and its exception raised
@@ -99,10 +101,13 @@ class CopyPath(HeldCaptures, BorrowedCaptures):
                         self._held.append((key, t, ident, used, nbytes))  # shape, dtype: read at the step's end
                         return
                     self._arena_short = True
-            if self._held:
-                self._pack_held()  # in order: the held captures go into the bundle before this one
+            with self.lock:
+                if self._pending:
+                    self._pack_pending()  # in order: earlier steps' captures go into the bundle first
+                if self._held:
+                    self._pack_held()  # in order: the held captures go into the bundle before this one
                 before = self.captured
-            self._capture_now(key, t, ident)
+                self._capture_now(key, t, ident)
         except Exception:
             self.captured = before + 1
             self.dropped += 1
@@ -224,16 +229,21 @@ class CopyPath(HeldCaptures, BorrowedCaptures):
         (64 KiB: 4 captures of a batch-8 decode step at hidden 512) wait for the burst too:
         flushed where they filled, they woke the I/O thread mid-forward (see docs/design.md,
         "Costs behind the code").
+        Decode steps that wait unpacked (`_pending.py`) are packed first, unless this is a step's end
+        (`hold`) that held nothing of its own (`defer_step` has packed them if they were due).
         """
-        if self._held:
-            self._pack_held()
-        if self._borrowed:
-            self.return_borrowed()
-        if self._large:  # staged before any of the bundler's captures (see `_capture_now`)
-            self._send_large()
-        bundles = self._bundler.take()
-        if bundles or self.pub.held:
-            self.pub.send_bundles(bundles, hold=hold)
+        with self.lock:
+            if self._pending and (not hold or self._held):  # the held captures come after them
+                self._pack_pending()
+            if self._held:
+                self._pack_held()
+            if self._borrowed:
+                self.return_borrowed()
+            if self._large:  # staged before any of the bundler's captures (see `_capture_now`)
+                self._send_large()
+            bundles = self._bundler.take()
+            if bundles or self.pub.held:
+                self.pub.send_bundles(bundles, hold=hold, since=self.take_packed_since())
 
     def _slot(self, nbytes: int) -> tuple[int | None, np.ndarray | None]:
         """(ring offset or None for a one-off buffer, the bytes to fill); (None, None) to drop."""
@@ -300,7 +310,7 @@ class CopyPath(HeldCaptures, BorrowedCaptures):
     @property
     def queued(self) -> int:
         device = 0 if self._device is None else self._device.queued
-        return device + len(self._held) + len(self._large) + self._bundler.queued + self.pub.held
+        return device + self.pending + len(self._held) + len(self._large) + self._bundler.queued + self.pub.held
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

@@ -60,6 +60,8 @@ class HeldCaptures:
         Runs of the common capture (every row real, a host tensor of the step's rows, under 64 KiB, the same
         shape and dtype: a decode step's sites) go into the bundle as one group, one copy each; the checks
         run once per run. Anything else takes `capture`'s general path, in order."""
+        if self._pending:  # type: ignore[attr-defined]
+            self._pack_pending()  # type: ignore[attr-defined]  # earlier steps first (`_pending.py`)
         failed: list[tuple[SiteKey, Exception | None]] = []
         sent_ns = time.time_ns()  # one stamp: they leave together
         last: tuple = ()

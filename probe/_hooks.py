@@ -216,6 +216,7 @@ class Hooks:
             return
         if self._deferred:  # the last forward raised before its end: its captures still go out
             self._end_deferred()
+        self._copy.in_step = True  # no other thread packs waiting steps until this one ends (`_pending.py`)
         tracker = self.ids
         self._fired = 0
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -241,11 +242,15 @@ class Hooks:
         if self._deferred:
             self._end_deferred()
         self._ident = self._deferred = None
+        cp = self._copy
         try:
-            self._copy.flush_device(block=False)  # sends the step's small captures first
+            if cp.failed:
+                self._report(cp)
+            cp.flush_device(block=False)  # sends the step's small captures first
             self.publisher.step_done()
         except Exception as exc:  # never crash the model being observed
             self._warn_once(repr(type(exc)), f"probebus: sending a step's captures failed: {exc!r}")
+        cp.in_step = False
 
     def _site_hook(self, key: SiteKey, index: int, pre: bool) -> Callable:
         """The tap of one site: before its module's forward (`pre`: the tensor is its input) or after it.
@@ -275,10 +280,11 @@ class Hooks:
     def _take_staged(self) -> None:
         """The tensors that taps traced by torch.compile staged (`_compiled.py`), each taken as its tap takes one in
         eager mode. They are outputs of the graph, which nothing writes into later."""
-        staged, active, keys, deferred = self._staged, self.active, self._keys, self._deferred
+        staged, active, get, deferred = self._staged, self.active, self._keys.get, self._deferred
+        tensor = torch.Tensor
         for index, t in staged:
-            key = keys.get(index)
-            if key is not None and key.name in active and isinstance(t, torch.Tensor):
+            key = get(index)
+            if key is not None and key.name in active and isinstance(t, tensor):
                 if deferred is not None:  # as the site tap's eager branch does, inline on this path too
                     deferred.append((key, t, t._version))
                 else:
@@ -286,12 +292,25 @@ class Hooks:
         staged.clear()
 
     def _end_deferred(self) -> None:
-        """Capture the step's deferred tensors, in the order their hooks ran."""
+        """Hand the step's deferred tensors, in the order their hooks ran, to the copy path, which packs them now
+        or with later steps' (`_pending.py`)."""
         deferred, self._deferred = self._deferred or [], None
         ident = self._ident
         if ident is None:
             return
-        for key, exc in self._copy.capture_deferred(deferred, ident):
+        cp = self._copy
+        try:
+            cp.defer_step(deferred, ident)
+        except Exception as exc:  # never crash the model being observed
+            self._warn_once(repr(type(exc)), f"probebus: a step's captures failed and were dropped: {exc!r}")
+        if cp.failed:
+            self._report(cp)
+
+    def _report(self, cp: CopyPath) -> None:
+        """Warn about the deferred captures that packing dropped (a tensor written since its hook: from then on
+        this session copies each capture in its hook)."""
+        failed, cp.failed = cp.failed, []
+        for key, exc in failed:
             if exc is not None:
                 self._warn_once(repr(type(exc)), f"probebus: capture of {key.name} failed and was dropped: {exc!r}")
                 continue
@@ -306,8 +325,12 @@ class Hooks:
         try:
             ident = self._ident
             if ident is None:  # the layer ran outside a forward of the attached model: no step end follows
-                cp.capture(key, t, self._ident_from_shape(t))
-                cp.flush_device(block=False)  # CPU: sends it now; CUDA: marks its copy for a later boundary
+                cp.in_step = True
+                try:
+                    cp.capture(key, t, self._ident_from_shape(t))
+                    cp.flush_device(block=False)  # CPU: sends it now; CUDA: marks its copy for a later boundary
+                finally:
+                    cp.in_step = False
             else:
                 cp.capture(key, t, ident, hold=hold)
         except Exception as exc:  # never crash the model being observed (the copy path counted it dropped)

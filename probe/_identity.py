@@ -17,12 +17,15 @@ step instead of re-summing the whole mask.
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 
 import numpy as np
 import torch
 
 PREFILL, DECODE, VERIFY = 0, 1, 2
+_byte, _string_at = ctypes.c_ubyte.from_address, ctypes.string_at
+_FLAG_DTYPES = (torch.int64, torch.int32, torch.bool, torch.uint8)  # a 2-D mask whose flags `_sees_itself` reads
 
 
 class StepIdentity:
@@ -113,6 +116,20 @@ def host_array(t: torch.Tensor | np.ndarray | list | tuple, dtype: type) -> np.n
     else:
         a = np.asarray(t)
     return a if a.dtype == dtype else a.astype(dtype)
+
+
+def _sees_itself(mask: torch.Tensor, batch: int, past: int) -> bool:
+    """Whether every row of a host mask ([B, keys] of 0/1 or [B, 1, 1, keys] of bool) lets its new token (key
+    `past`) attend: each flag read at the tensor's own address, nonzero in any of its bytes. Slicing the mask in
+    numpy cost the step more than the rest of its identity: each numpy call runs from cold caches between
+    forwards (docs/design.md, "Costs behind the code", Decode-step identity)."""
+    stride, size = mask.stride(), mask.element_size()
+    at = mask.data_ptr() + past * stride[-1] * size
+    row = stride[0] * size
+    if size == 1:
+        return all(_byte(at + b * row).value for b in range(batch))
+    zero = bytes(size)
+    return all(_string_at(at + b * row, size) != zero for b in range(batch))
 
 
 def _shaped(a: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -214,9 +231,10 @@ class IdentityTracker:
                 return None
             if mask.dim() == 4:  # a static cache's [B, 1, 1, keys]: the new token sees itself unless it is padding
                 if mask.shape[:3] != (batch, 1, 1) or mask.shape[3] <= past or mask.dtype != torch.bool \
-                        or not mask.numpy()[:, 0, 0, past].all():  # numpy: a torch op here costs more
+                        or not _sees_itself(mask, batch, past):
                     return None
-            elif mask.shape != (batch, past + 1) or 0 in mask.numpy()[:, -1].tolist():
+            elif (mask.shape != (batch, past + 1) or mask.dtype not in _FLAG_DTYPES
+                  or not _sees_itself(mask, batch, past)):
                 return None
         tok = [row[0] for row in ids.tolist()]
         if self._stop_set and not self._stop_set.isdisjoint(tok):

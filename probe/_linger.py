@@ -58,14 +58,15 @@ class HeldBundles:
         self._order = threading.Lock()
 
     def send_bundles(self, bundles: list[tuple[bytearray, list[tuple[bytes, int, int]]]], *,
-                     hold: bool = False) -> None:
+                     hold: bool = False, since: float | None = None) -> None:
         """Hand bundles to ZeroMQ after any held before them; with `hold` (a step's end), keep them for a later
-        step's send unless a live subscriber is present or the oldest held is `max_delay` old."""
+        step's send unless a live subscriber is present or the oldest held is `max_delay` old. `since`: when
+        the oldest of `bundles` was captured, if earlier than now (steps packed late, `_pending.py`)."""
         with self._order:
             if hold and self._holding:
                 now = time.monotonic()
                 if not self._held:
-                    self._held_since = now
+                    self._held_since = now if since is None else since
                 for buf, meta in bundles:
                     self._hold(buf, meta)
                 if now - self._held_since < self._linger and self._held_bytes < _HOLD_MAX:

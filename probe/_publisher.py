@@ -81,6 +81,7 @@ class Publisher(HeldBundles, ControlThread):
         self.bundling = True  # no subscriber filters by site: a step's small captures go as one message
         self.live = False  # a live subscriber is present: every step's bundles go at its end
         self._init_held(max_delay)
+        self.idle_packer: Callable[[], None] | None = None  # the copy path's steps waiting unpacked (`_pending.py`)
         self.degraded = False
         self.last_active = 0.0
         self.info_body: dict | Callable[[], dict] = {}  # or a function: built only when an info is sent

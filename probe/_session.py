@@ -79,6 +79,7 @@ class ProbeSession:
                                    max_delay=max_delay, curve_clients=clients)
         self._copy = CopyPath(self.publisher, run=self.run.encode(), capacity=capacity_bytes, cuda_device=cuda,
                               borrow=borrow)
+        self.publisher.idle_packer = self._copy.pack_stale  # a model that stopped stepping strands nothing
         self.ring = self._copy.ring
         stop = stop_tokens(model) if strip_finished else np.empty(0, dtype=np.int64)
         self._hooks = Hooks(model, self.arch, self._copy, self.publisher, stop)
@@ -148,6 +149,7 @@ class ProbeSession:
                 else:
                     self._hooks.change("remove", names)
                 self._paused = names
+        self._copy.pack_idle()  # steps that wait unpacked (`_pending.py`), unless a forward runs on another thread
         self.publisher.flush_held()  # nothing waits for a step that may not come soon
 
     def _on_model_thread(self) -> bool:
@@ -163,6 +165,7 @@ class ProbeSession:
 
         From any thread. A step still running keeps its captures until its end, as always."""
         if not self._closed:
+            self._copy.pack_idle()
             self.publisher.flush_held()
 
     def sync(self) -> None:
@@ -215,8 +218,8 @@ class ProbeSession:
     @property
     def stats(self) -> ProbeStats:
         pub, cp = self.publisher, self._copy
-        return ProbeStats(cp.captured, pub.published, cp.dropped + pub.dropped, pub.bytes, pub.stall_seconds,
-                          len(pub.subscribers), cp.queued, pub.degraded, cp.torn)
+        return ProbeStats(cp.captured + cp.pending, pub.published, cp.dropped + pub.dropped, pub.bytes,
+                          pub.stall_seconds, len(pub.subscribers), cp.queued, pub.degraded, cp.torn)
 
     def add(self, sites: str | Iterable[str]) -> list[str]:
         """Start capturing more sites; returns the concrete names added."""
