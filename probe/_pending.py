@@ -106,6 +106,12 @@ class PendingSteps:
                 self.dropped += rest
                 raise
 
+    def pack_now(self) -> None:
+        """Pack what waits into the bundle now, on the model's thread (before something that must follow it)."""
+        with self.lock:
+            if self._pending:
+                self._pack_pending()
+
     def take_packed_since(self) -> float | None:
         """When the oldest step in the bundle now ended, if it waited unpacked (the publisher's hold starts then)."""
         since, self._packed_since = self._packed_since, None

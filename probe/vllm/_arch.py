@@ -118,3 +118,22 @@ def _stream(fn: Stage, key: SiteKey, module: nn.Module, args: tuple, output: obj
         fn(key, output[1])
     elif args and isinstance(args[0], torch.Tensor):  # layer 0 on the first stage: the embedding output
         fn(key, args[0])
+
+
+class SiteView:
+    """What `expand_sites` needs of an architecture, for a vLLM model."""
+
+    def __init__(self, arch: object) -> None:
+        self._arch = arch
+        self.family = arch.family  # type: ignore[attr-defined]
+        self.n_layers = arch.n_layers  # type: ignore[attr-defined]
+
+    def sites(self) -> list[str]:
+        return self._arch.sites()  # type: ignore[attr-defined]
+
+    def layer_site_names(self) -> tuple[str, ...]:
+        return LAYER_SITES
+
+    def describe(self) -> str:
+        return (f"available sites: embed, layers.{{0..{self.n_layers - 1}}}.{{{', '.join(LAYER_SITES)}}}, "
+                "final_norm (logits are computed outside vLLM's model forward and are not offered)")

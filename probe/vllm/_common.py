@@ -2,6 +2,7 @@
 
     LLM(model=path, **ENGINE_KWARGS)           # = worker_extension_cls=EXTENSION, the class path vLLM imports
     os.environ[ALLOW_REMOTE_ENV] = "1"         # in the engine's environment: workers may bind beyond loopback
+    os.environ[SITES_ENV] = "layers.*.resid_post"   # a compiled engine's taps: these sites only (default: all)
     run = new_run()                            # a session's run id
 
 The class path is the public one (`probe.vllm.WorkerExtension`): `probe/vllm/__init__.py`
@@ -18,6 +19,9 @@ EXTENSION = "probe.vllm.WorkerExtension"
 # non-loopback endpoint in its workers; without it a worker refuses, whoever asks (the HTTP route has no auth).
 ALLOW_REMOTE_ENV = "PROBEBUS_ALLOW_REMOTE"
 ENGINE_KWARGS: dict[str, Any] = {"worker_extension_cls": EXTENSION}
+# In the engine's environment: the sites a compiled model gets taps for (site patterns, comma-separated, as
+# `attach` takes them; unset: every site). Each tap is an output of the compiled graph at every step, attached or not.
+SITES_ENV = "PROBEBUS_VLLM_SITES"
 
 
 def new_run() -> str:

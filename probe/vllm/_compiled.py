@@ -43,6 +43,7 @@ the extension.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -51,8 +52,9 @@ import torch
 from torch import nn
 
 from .._hooks import tap
-from .._sites import SiteKey
-from ._arch import VllmArch
+from .._sites import SiteKey, expand_sites
+from ._arch import SiteView, VllmArch
+from ._common import SITES_ENV
 
 log = logging.getLogger("probebus")
 TAG = "dormant-v1"  # in the worker's config hash: tapped compiled models get their own cache entries
@@ -85,9 +87,20 @@ def _on_submodule(module: nn.Module, name: str, value: object) -> None:
                                   "the Python that hands captures on; start the engine with "
                                   "compilation_config={'cudagraph_mode': 'NONE'}")
         return
-    if isinstance(cfg.additional_config, dict):
-        cfg.additional_config["probebus_taps"] = TAG
+    if isinstance(cfg.additional_config, dict):  # each set of taps compiles (and is cached) apart
+        cfg.additional_config["probebus_taps"] = f"{TAG}:{os.environ.get(SITES_ENV, '').strip() or '*'}"
     module.__dict__[_ATTR] = Dormant(module, value)
+
+
+def tapped_sites(arch: VllmArch) -> list[str]:
+    """The local sites that get dormant taps: those `SITES_ENV` names in the engine's environment, or every one.
+    A pattern that names no site raises (the worker's start fails with the reason, not a session later)."""
+    spec = os.environ.get(SITES_ENV, "").strip()
+    local = arch.local_sites()
+    if not spec:
+        return local
+    chosen = set(expand_sites(SiteView(arch), [p.strip() for p in spec.split(",") if p.strip()]))
+    return [s for s in local if s in chosen]
 
 
 def _extended(path: str) -> bool:
@@ -114,7 +127,8 @@ class Dormant:
         self.warned = False
         # `outer.model` is set only after this hook returns: the arch reads the inner model from a stand-in.
         arch = VllmArch(types.SimpleNamespace(model=inner))  # type: ignore[arg-type]
-        self.keys = [SiteKey.of(site) for site in arch.local_sites()]
+        self.keys = [SiteKey.of(site) for site in tapped_sites(arch)]
+        self.names = frozenset(key.name for key in self.keys)
         self.handles = [tap(outer, self._start, pre=True), tap(outer, self._end, pre=False)]
         self.handles += [arch.hook(key.name, _stager(self.staged, n)) for n, key in enumerate(self.keys)]
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import os
 
-from .._arch import LAYER_SITES
 from .._hooks import tapped
 from .._publisher import MAX_DELAY_S
 from .._sites import expand_sites
-from ._arch import VllmArch
+from ._arch import SiteView, VllmArch
 from ._common import ALLOW_REMOTE_ENV
 from ._worker import VllmProbe
 
@@ -42,7 +41,7 @@ class WorkerExtension:
         if getattr(self, "_probebus", None) is not None:
             raise RuntimeError("probebus is already attached to this engine; close that session first")
         arch = VllmArch(self.model_runner.get_model())  # type: ignore[attr-defined]
-        wanted = expand_sites(_SiteView(arch), sites)
+        wanted = expand_sites(SiteView(arch), sites)
         probe = VllmProbe(self, wanted, endpoint=endpoint, policy=policy, run=run, capacity_bytes=capacity_bytes,
                           stall_timeout=stall_timeout, model_name=model_name, io_cpus=io_cpus,
                           max_delay=max_delay, allow_remote=allow_remote, curve_secret_key=curve_secret_key,
@@ -95,22 +94,3 @@ class WorkerExtension:
 
     def probebus_sites(self) -> list[str]:
         return VllmArch(self.model_runner.get_model()).sites()  # type: ignore[attr-defined]
-
-
-class _SiteView:
-    """What `expand_sites` needs of an architecture, for a vLLM model."""
-
-    def __init__(self, arch: object) -> None:
-        self._arch = arch
-        self.family = arch.family  # type: ignore[attr-defined]
-        self.n_layers = arch.n_layers  # type: ignore[attr-defined]
-
-    def sites(self) -> list[str]:
-        return self._arch.sites()  # type: ignore[attr-defined]
-
-    def layer_site_names(self) -> tuple[str, ...]:
-        return LAYER_SITES
-
-    def describe(self) -> str:
-        return (f"available sites: embed, layers.{{0..{self.n_layers - 1}}}.{{{', '.join(LAYER_SITES)}}}, "
-                "final_norm (logits are computed outside vLLM's model forward and are not offered)")

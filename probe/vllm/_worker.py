@@ -37,7 +37,7 @@ from .._sites import SiteKey
 from .._version import __version__
 from .._wire import REQUESTS_TOPIC, VERSION, encode_control
 from ._arch import VllmArch
-from ._common import EXTENSION
+from ._common import EXTENSION, SITES_ENV
 from ._compiled import Dormant, Switch, dormant_of
 from ._defer import Check, Deferral
 from ._identity import FlatBatchIdentity
@@ -71,6 +71,13 @@ class VllmProbe:
         # that brings a new request (docs/design.md, "Costs behind the code", Session info).
         self._config_hash = _discovery.config_hash(cfg.model_config.hf_config)
         self.sites = [s for s in self.arch.local_sites() if s in set(sites)]
+        if self._dormant is not None:
+            untapped = [s for s in self.sites if s not in self._dormant.names]
+            if untapped:
+                raise RuntimeError(f"probebus: this engine's compiled model has no taps for {', '.join(untapped[:4])}"
+                                   f"{' ...' if len(untapped) > 4 else ''}: it was started with {SITES_ENV}="
+                                   f"{os.environ.get(SITES_ENV, '')!r}; restart the engine with those sites in "
+                                   f"{SITES_ENV} (or without it: every site), or attach to the sites it has")
         self.wanted = frozenset(self.sites)
         self.publishing = self.tp_rank == 0 and bool(self.sites)
         self._ipc_dir: str | None = None
@@ -96,6 +103,7 @@ class VllmProbe:
         self.endpoint = self.publisher.endpoint
         self._copy = CopyPath(self.publisher, run=run.encode(), capacity=capacity_bytes,
                               cuda_device=None if runner.device.type == "cpu" else runner.device)
+        self.publisher.idle_packer = self._copy.pack_stale  # waiting decode steps of an engine gone idle
         self._tap()
         self.publisher.set_info(self.info)  # built when an info goes out (a new subscriber), never per step
         self._registered = _discovery.register(_discovery.SessionInfo.from_dict(self.info()))
@@ -137,6 +145,7 @@ class VllmProbe:
             self._end_deferred()
         self._idents = self._flat.step(self.runner, args, kwargs)
         self._deferred, self._check = self._defer.begin(self._idents)
+        self._copy.in_step = True
 
     def _capture(self, key: SiteKey, t: torch.Tensor) -> None:
         deferred = self._deferred
@@ -154,7 +163,11 @@ class VllmProbe:
     def _end_deferred(self) -> None:
         deferred, self._deferred = self._deferred, None
         if deferred and self._idents:
-            self._copy.capture_deferred(deferred, self._idents[0])  # counts what failed as dropped
+            if self._dormant is not None:  # graph outputs, which nothing writes into: they may wait (`_pending.py`)
+                self._copy.defer_step(deferred, self._idents[0])
+            else:
+                self._copy.capture_deferred(deferred, self._idents[0])  # counts what failed as dropped
+            self._copy.failed.clear()  # (counted as dropped; vLLM's tensors have no version to tell of)
 
     def _step_end(self, module: nn.Module, args: tuple, output: object) -> None:
         pub = self.publisher
@@ -173,11 +186,15 @@ class VllmProbe:
         try:
             new = self._flat.new_requests()
             if new:  # only the new entries (the info, which has them all, goes to new subscribers)
+                if self._copy.pending:  # the steps before the entries go before them
+                    self._copy.pack_now()
+                    self._copy.flush(hold=True)
                 pub.send_control(encode_control(REQUESTS_TOPIC, {"run": self.run, "requests": new,
                                                                  "recomputed": self._flat.recomputed}), hold=True)
             self._copy.flush_device(block=False)  # the step's small captures, in one burst
         except Exception:  # never crash the engine being observed
             pass
+        self._copy.in_step = False
         pub.step_done()
 
     # --- control (called through collective_rpc) ----------------------------------------------
@@ -196,7 +213,7 @@ class VllmProbe:
             return {"captured": 0, "published": 0, "dropped": 0, "bytes": 0, "stall_seconds": 0.0,
                     "subscribers": 0, "degraded": False, "publishing": False, "queued": 0}
         pub, cp = self.publisher, self._copy
-        return {"captured": cp.captured, "published": pub.published, "dropped": cp.dropped + pub.dropped,
+        return {"captured": cp.captured + cp.pending, "published": pub.published, "dropped": cp.dropped + pub.dropped,
                 "bytes": pub.bytes, "stall_seconds": pub.stall_seconds, "subscribers": len(pub.subscribers),
                 "degraded": pub.degraded, "publishing": True, "paused": self.paused,
                 "deferred_steps": self._defer.steps, "recomputed": self._flat.recomputed, "queued": cp.queued}

@@ -7,6 +7,7 @@ vLLM pins an older transformers than the main suite uses). One engine per module
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ vllm = pytest.importorskip("vllm")
 
 import probe  # noqa: E402
 import probe.vllm  # noqa: E402
+from probe.vllm._common import SITES_ENV  # noqa: E402
 from probebus.models import DEFAULT_MODEL_DIR  # noqa: E402
 
 MODEL = str(DEFAULT_MODEL_DIR)
@@ -212,13 +214,30 @@ def test_a_curve_session_admits_only_its_listed_clients(llm) -> None:
 @pytest.fixture(scope="module")
 def compiled_llm():
     """vLLM's default mode (no enforce_eager): the model compiled by Dynamo + Inductor at start-up, with the
-    extension's dormant taps in it (`probe/vllm/_compiled.py`). A step of at most 32 tokens chunks prefills."""
-    engine = vllm.LLM(model=MODEL, dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.15,
-                      enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=8,
-                      **probe.vllm.ENGINE_KWARGS)
+    extension's dormant taps in it (`probe/vllm/_compiled.py`) for the sites these tests attach to (`SITES_ENV`;
+    unset, every site). A step of at most 32 tokens chunks prefills."""
+    before = os.environ.get(SITES_ENV)
+    os.environ[SITES_ENV] = ",".join(SITES + ["layers.0.mlp_out"])  # the engine's processes inherit it
+    try:
+        engine = vllm.LLM(model=MODEL, dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.15,
+                          enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=8,
+                          **probe.vllm.ENGINE_KWARGS)
+    finally:
+        if before is None:
+            del os.environ[SITES_ENV]
+        else:
+            os.environ[SITES_ENV] = before
     assert int(engine.llm_engine.vllm_config.compilation_config.mode) != 0, "the engine compiles its model"
     yield engine
     engine.llm_engine.engine_core.shutdown()
+
+
+def test_a_site_a_compiled_engine_has_no_tap_for_is_refused_by_name(compiled_llm) -> None:
+    """Taps go into the compiled model at its start: a site left out of them is an error naming the setting."""
+    with pytest.raises(Exception, match=f"no taps for layers.1.mlp_out.*{SITES_ENV}"):
+        probe.vllm.attach(compiled_llm, "layers.1.mlp_out")
+    with probe.vllm.attach(compiled_llm, "layers.0.mlp_out") as session:  # the engine is fine and attachable
+        assert session.sites == ["layers.0.mlp_out"]
 
 
 def test_a_compiled_engine_publishes_what_eager_computes(compiled_llm, hf) -> None:
