@@ -105,8 +105,10 @@ def main() -> None:
                        gpu_memory_utilization=0.15, enable_prefix_caching=False, **probe.vllm.ENGINE_KWARGS)
         worker = llm.llm_engine.model_executor.driver_worker.worker
         params = vllm.SamplingParams(max_tokens=ARGS.new_tokens, temperature=0, ignore_eos=True)
-        print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, vllm {vllm.__version__}; random Llama "
-              f"(hidden 512, 8 layers), prompt {ARGS.prompt}, {ARGS.new_tokens} new tokens, greedy, sites "
+        what = "the default model" if ARGS.default_model else "random Llama (hidden 512, 8 layers)"
+        mode = "compiled (vLLM's default mode)" if ARGS.compiled else "enforce_eager"
+        print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, vllm {vllm.__version__}; {what}, {mode}, "
+              f"prompt {ARGS.prompt}, {ARGS.new_tokens} new tokens, greedy, sites "
               f"layers.*.resid_post, a draining subscriber on core 1; {ARGS.generates} generates per mode, the "
               "probe off and on every decode step")
         for batch in ARGS.batches:

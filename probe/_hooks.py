@@ -231,7 +231,22 @@ class Hooks:
 
     def _on_step_end(self, module: nn.Module, args: tuple, output: object) -> None:
         """The step is over: its deferred captures are copied and everything it staged goes to the publisher."""
-        if self._staged:
+        staged, cp = self._staged, self._copy
+        if staged:
+            ident = self._ident
+            # The common compiled step (a decode step, every tapped site active, nothing else captured): its graph
+            # outputs wait as they are, and the rest of this (keys, versions' check, packing) runs in the pack.
+            if (self._deferred == [] and ident is not None and len(self.active) == len(self._handles)
+                    and cp.wait_staged(staged, ident, self._keys)):
+                staged.clear()
+                self._ident = self._deferred = None
+                if cp.failed:
+                    self._report(cp)
+                if cp.has_queued:
+                    self._flush(cp)
+                cp.in_step = False
+                self.publisher.step_done()
+                return
             self._take_staged()
         if self._ident is not None and self.active and not self._deferred and not self._fired:
             self._warn_once("bypass", "probebus: a forward of the attached model ran none of its taps (no site "
@@ -242,15 +257,17 @@ class Hooks:
         if self._deferred:
             self._end_deferred()
         self._ident = self._deferred = None
-        cp = self._copy
+        if cp.failed:
+            self._report(cp)
+        self._flush(cp)
+        cp.in_step = False
+        self.publisher.step_done()
+
+    def _flush(self, cp: CopyPath) -> None:
         try:
-            if cp.failed:
-                self._report(cp)
             cp.flush_device(block=False)  # sends the step's small captures first
-            self.publisher.step_done()
         except Exception as exc:  # never crash the model being observed
             self._warn_once(repr(type(exc)), f"probebus: sending a step's captures failed: {exc!r}")
-        cp.in_step = False
 
     def _site_hook(self, key: SiteKey, index: int, pre: bool) -> Callable:
         """The tap of one site: before its module's forward (`pre`: the tensor is its input) or after it.

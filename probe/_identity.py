@@ -32,11 +32,12 @@ class StepIdentity:
     """Whose token each row of this step's activations is (shared by every site of the step)."""
 
     __slots__ = ("step", "phase", "batch", "seq_len", "valid", "seq_ids", "_positions", "_token_ids", "device",
-                 "_rows", "_device_index")
+                 "_rows", "_device_index", "_decode")
 
     def __init__(self, step: int, phase: int, batch: int, seq_len: int, valid: np.ndarray | None,
                  seq_ids: np.ndarray, positions: np.ndarray | None, token_ids: np.ndarray | None,
-                 device: torch.device, rows: dict[int, tuple[np.ndarray | None, bytes, int]] | None = None) -> None:
+                 device: torch.device, rows: dict[int, tuple[np.ndarray | None, bytes, int]] | None = None,
+                 decode: tuple[list[int], list[int], list[int]] | None = None) -> None:
         self.step, self.phase, self.batch, self.seq_len = step, phase, batch, seq_len
         self.valid = valid  # bool [B, S]; None: every token is real
         self.seq_ids = seq_ids  # int64 [B]
@@ -45,6 +46,15 @@ class StepIdentity:
         self.device = device
         self._rows = rows if rows is not None else {}
         self._device_index: dict[int, torch.Tensor] = {}
+        # The decode fast path's (seq ids, positions, token ids) as lists, made into rows[1] when first read: a
+        # step whose captures wait (`_pending.py`) builds them with its pack, whose caches are warm.
+        self._decode = decode
+
+    @property
+    def settled(self) -> bool:
+        """Its rows of one position are fixed already (held in this object, not read from the model's tensors
+        later): captures of it may wait to be packed (`_pending.py`)."""
+        return self._decode is not None or 1 in self._rows
 
     @property
     def positions(self) -> np.ndarray:
@@ -62,7 +72,7 @@ class StepIdentity:
 
     def _decode_tokens(self) -> np.ndarray:
         """[3, B, 1] (seq ids, positions, token ids) of a fast-path decode step, from its row bytes."""
-        return np.frombuffer(self._rows[1][1], dtype=np.int64).reshape(3, self.batch, 1)
+        return np.frombuffer(self.rows(1)[1], dtype=np.int64).reshape(3, self.batch, 1)
 
     def rows(self, seq_len: int) -> tuple[np.ndarray | None, bytes, int]:
         """(flat row index or None for "all rows", tokens int64 [3, n] as bytes, n).
@@ -71,6 +81,9 @@ class StepIdentity:
         last positions, e.g. `logits_to_keep=1` in `generate`): the last columns are used.
         """
         got = self._rows.get(seq_len)
+        if got is None and seq_len == 1 and self._decode is not None:
+            seq, pos, tok = self._decode
+            got = self._rows[1] = (None, array("q", seq + pos + tok).tobytes(), self.batch)
         if got is None:
             cut = self.seq_len - seq_len
             if cut < 0:
@@ -247,8 +260,7 @@ class IdentityTracker:
             self._count = [c + 1 for c in pos]
             self._expect_width = past + 1
         self.step += 1
-        return StepIdentity(self.step, DECODE, batch, 1, None, self._seq_ids, None, None, device,
-                            {1: (None, array("q", seq + pos + tok).tobytes(), batch)})
+        return StepIdentity(self.step, DECODE, batch, 1, None, self._seq_ids, None, None, device, None, (seq, pos, tok))
 
     def _positions(self, mask: torch.Tensor | None, batch: int, seq_len: int,
                    past: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -53,7 +53,8 @@ class PendingSteps:
     _bundler: Bundler
 
     def _init_pending(self) -> None:
-        self._pending: list[tuple[Items, StepIdentity]] = []
+        # (items, identity, None), or (None, identity, (staged, versions, keys)) for a compiled step's outputs
+        self._pending: list[tuple[Items | None, StepIdentity, tuple | None]] = []
         self.pending = 0  # captures waiting in `_pending` (counted as captured: stats add them)
         self._pending_bytes = 0
         self._pending_since = 0.0  # when the oldest of them ended
@@ -70,7 +71,7 @@ class PendingSteps:
         pub = self.pub
         # A tensor the model wrote into during its own step is caught now, as before steps waited: the session
         # then copies in its hooks from the next step on, instead of losing a capture at every step until a pack.
-        if (not pub._holding or ident.valid is not None or 1 not in ident._rows
+        if (not pub._holding or ident.valid is not None or not ident.settled
                 or any(v is not None and t._version != v for _, t, v in items)):
             with self.lock:
                 if self._pending:
@@ -81,12 +82,42 @@ class PendingSteps:
         with self.lock:  # (uncontended but for a control thread packing a stopped model's steps)
             if not self._pending:
                 self._pending_since = now
-            self._pending.append((items, ident))
+            self._pending.append((items, ident, None))
             self.pending += len(items)
             self._pending_bytes += len(items) * items[0][1].nbytes
             if (len(self._pending) >= MAX_STEPS or self._pending_bytes >= MAX_BYTES
                     or now - self._pending_since >= pub.linger):
                 self._pack_pending()
+
+    def wait_staged(self, staged: list[tuple[int, torch.Tensor]], ident: StepIdentity,
+                    keys: dict[int, SiteKey]) -> bool:
+        """A compiled step's staged graph outputs (site number, tensor), every one of an active site, kept as they
+        are with their version counters, the rest of `defer_step`'s work left to the pack; False (nothing kept):
+        this step cannot wait, the caller takes the general path."""
+        if not self.pub._holding or ident.valid is not None or not ident.settled:
+            return False
+        try:
+            versions = [t._version for _, t in staged]
+        except AttributeError:  # something that is not a tensor: the general path skips it
+            return False
+        now = time.monotonic()
+        with self.lock:
+            if not self._pending:
+                self._pending_since = now
+            self._pending.append((None, ident, (staged.copy(), versions, keys)))
+            self.pending += len(versions)
+            self._pending_bytes += len(versions) * staged[0][1].nbytes
+            if (len(self._pending) >= MAX_STEPS or self._pending_bytes >= MAX_BYTES
+                    or now - self._pending_since >= self.pub.linger):
+                self._pack_pending()
+        return True
+
+    @property
+    def has_queued(self) -> bool:
+        """Something waits for a flush at this step's end: bundles, held or large captures, held bundles."""
+        b = self._bundler
+        return bool(b.meta or b.sealed or self._held or self._large or self._borrowed  # type: ignore[attr-defined]
+                    or self.pub.held)
 
     def _pack_pending(self) -> None:
         """Pack every waiting step into the bundle, oldest first (under `lock`)."""
@@ -97,11 +128,14 @@ class PendingSteps:
             self._packed_since = self._pending_since
         self.pending = self._pending_bytes = 0  # capture_deferred counts them as captured as it packs them
         failed = self.failed
-        for i, (items, ident) in enumerate(pending):
+        for i, (items, ident, raw) in enumerate(pending):
             try:
+                if items is None:  # a compiled step's graph outputs, as `wait_staged` kept them
+                    staged, versions, keys = raw  # type: ignore[misc]
+                    items = [(keys[n], t, v) for (n, t), v in zip(staged, versions, strict=True)]
                 failed += self.capture_deferred(items, ident)  # type: ignore[attr-defined]
             except BaseException:  # (it catches per capture: this is an interrupt) the rest is counted, dropped
-                rest = sum(len(later) for later, _ in pending[i + 1:])
+                rest = sum(len(later[2][1]) if later[0] is None else len(later[0]) for later in pending[i + 1:])
                 self.captured += rest
                 self.dropped += rest
                 raise
