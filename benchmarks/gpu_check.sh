@@ -51,6 +51,12 @@ TAIL=40 step spec_greedy 170 python3 benchmarks/speculative.py --device "$DEV" -
     --temperatures 0 --prompts $P --repeats $R --new-tokens $N
 TAIL=20 step spec_sampled 100 python3 benchmarks/speculative.py --device "$DEV" --sets thirdparty --batches 1 \
     --temperatures 0.8 --prompts $P --repeats $R --new-tokens $N --no-oracle
+# issue 46: the compiled path with CUDA graphs (reduce-overhead) and the eager CUDA path, step against step
+[ "$DEV" = cuda ] && TAIL=8 step compiled_paired 180 python3 benchmarks/paired_steps.py --device cuda --dtype bfloat16 \
+    --compiled --compile-mode reduce-overhead --hidden 2048 --layers 16 --batches 1 8 32 --modes a/a probebus \
+    --block 4 --settle 1 --generates 6
+[ "$DEV" = cuda ] && TAIL=8 step eager_paired 150 python3 benchmarks/paired_steps.py --device cuda --dtype bfloat16 \
+    --hidden 2048 --layers 16 --batches 1 8 32 --modes a/a probebus naive --generates 6
 [ "$DEV" = cuda ] && TAIL=60 step cuda_profile 80 python3 benchmarks/cuda_overhead.py --profile --new-tokens 32
 # probe overhead, interleaved against plain and naive hooks (the README's "On a GPU" table); last, as the longest
 [ "$DEV" = cuda ] && TAIL=12 step cuda_overhead 240 python3 benchmarks/cuda_overhead.py --repeats 5

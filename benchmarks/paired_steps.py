@@ -168,8 +168,9 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(resolve_model("default"), dtype=torch.float32).eval()
     else:
         model = build_model(ARGS)
+    model = model.to(ARGS.device, getattr(torch, ARGS.dtype))
     if ARGS.compiled:
-        model.forward = torch.compile(model.forward, fullgraph=True)
+        model.forward = torch.compile(model.forward, fullgraph=True, mode=ARGS.compile_mode)
     endpoints = {"probebus": f"ipc:///tmp/probebus-paired-{os.getpid()}",
                  "probebus-live": f"ipc:///tmp/probebus-paired-live-{os.getpid()}",
                  "naive": f"tcp://127.0.0.1:{ARGS.port}"}
@@ -182,12 +183,14 @@ def main() -> None:
             h.remove()
     print("machine:", machine())
     what = "the default model" if ARGS.default_model else f"random Llama (hidden {ARGS.hidden}, {ARGS.layers} layers)"
-    print(f"{what}, {'compiled, static cache' if ARGS.compiled else 'eager'}, fp32, prompt {ARGS.prompt}, "
+    how = f"compiled ({ARGS.compile_mode or 'default'} mode), static cache" if ARGS.compiled else "eager"
+    print(f"{what} on {ARGS.device}, {how}, {ARGS.dtype}, prompt {ARGS.prompt}, "
           f"{ARGS.new_tokens} new tokens, greedy, sites layers.*.resid_post; model thread alone on core 0; "
           f"{ARGS.generates} generates per mode, the probe on and off every {ARGS.block} decode step(s)")
     try:
         for batch in ARGS.batches:
             ids = torch.randint(3, 8192, (batch, ARGS.prompt), generator=torch.Generator().manual_seed(batch))
+            ids = ids.to(ARGS.device)
             run(model, ids, "a/a", endpoints, True, naive)  # warm-up
             if ARGS.compiled:  # every mode's graphs compiled before the clock starts
                 for m in ARGS.modes:
@@ -213,6 +216,10 @@ if __name__ == "__main__":
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     ap.add_argument("--compiled", action="store_true", help="torch.compile'd forward over a static KV cache")
     ap.add_argument("--default-model", action="store_true", help="the shipped default model (vocabulary 8192)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--compile-mode", default=None, choices=(None, "reduce-overhead", "max-autotune-no-cudagraphs"),
+                    help="torch.compile's mode with --compiled (reduce-overhead: CUDA graphs on a GPU)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)

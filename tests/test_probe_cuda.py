@@ -46,3 +46,29 @@ def test_a_failed_cuda_capture_frees_its_ring_slot(monkeypatch) -> None:
             model(ids)
 
     check_ring_survives_a_failed_capture(model, forward)
+
+
+def test_a_reduce_overhead_compiled_generate_publishes_what_eager_computes() -> None:
+    """CUDA graphs (`torch.compile(mode="reduce-overhead")`): a staged site tensor is a graph output in the graphs'
+    memory pool, which the next replay overwrites. Every capture must still be its own step's rows, as in eager
+    mode: prefill and decode, a left-padded batch, against the eager oracle (issue 46)."""
+    from test_probe_compiled import NEW_TOKENS, PROMPTS, SITES, _check_against_oracle
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch._dynamo.reset()
+    model = build("llama", layers=2).cuda()
+    ids, mask = left_padded(PROMPTS)
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    with probe.attach(model, SITES) as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for(sub)
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW_TOKENS,
+                                 eos_token_id=None, pad_token_id=PAD, do_sample=False, cache_implementation="static")
+    caps = list(sub.iter(idle_timeout=5.0))
+    sub.close()
+    stats = session.stats
+    assert stats.captured == stats.published == len(caps) and stats.dropped == 0
+    _check_against_oracle(model.cpu(), gen.cpu(), caps)
+    torch._dynamo.reset()
