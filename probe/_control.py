@@ -54,6 +54,7 @@ class ControlThread:
     # `io_cpus`, `complete`; HeldBundles': `_held`, `_order`, `flush_held`. Set in Publisher.__init__ too:
     _thread: threading.Thread  # runs `_control`
     _closing: threading.Event
+    _giving_up: threading.Event
     _end_body: dict
     _deadline: float
     idle_packer: Callable[[], None] | None
@@ -68,6 +69,7 @@ class ControlThread:
                           "counts": {k.decode(): v for k, v in self.counts.items()}}
         self._deadline = time.monotonic() + timeout
         _LINGERING[self.endpoint] = self
+        self._giving_up.set()
         self._closing.set()
         # A held send in flight (the control thread's, waiting on a full pipe under `complete`) gives up now and
         # counts what it could not send as dropped: wait for that (milliseconds), so the counts are final here.

@@ -90,6 +90,7 @@ class Publisher(HeldBundles, ControlThread):
         self._stall_since: float | None = None
         self._info_due = False
         self._closing = threading.Event()
+        self._giving_up = threading.Event()  # waits on full pipes end now (`give_up`), the session closing
         self._end_body: dict = {}
         self._deadline = float("inf")
         self.io_cpus = usable_cpus(io_cpus)
@@ -127,7 +128,7 @@ class Publisher(HeldBundles, ControlThread):
                     sent = self._send_locked(bundle, None)
                 except zmq.ZMQError:  # closed under us (close from another thread)
                     sent = False
-            if sent is False and not self._closing.is_set():
+            if sent is False and not self._giving_up.is_set():
                 sent = self._wait_send(bundle, None)
             if sent is False:
                 self.dropped += len(meta)
@@ -182,7 +183,7 @@ class Publisher(HeldBundles, ControlThread):
                 sent = self._send_locked(frame0, payload, track)
             except zmq.ZMQError:  # closed under us (close from another thread)
                 sent = False
-        if sent is False and not self._closing.is_set():
+        if sent is False and not self._giving_up.is_set():
             sent = self._wait_send(frame0, payload, track)
         if sent is False:
             self.dropped += 1
@@ -234,7 +235,7 @@ class Publisher(HeldBundles, ControlThread):
         t0 = self._stall_since = time.monotonic()
         delay = 1e-4
         try:
-            while not self._closing.is_set():
+            while not self._giving_up.is_set():
                 time.sleep(delay)
                 delay = min(delay * 2, 5e-3)
                 if self.stall_timeout is not None and time.monotonic() - t0 > self.stall_timeout:
@@ -249,6 +250,17 @@ class Publisher(HeldBundles, ControlThread):
         finally:
             self._stall_s += time.monotonic() - t0
             self._stall_since = None
+
+    @property
+    def stalled(self) -> bool:
+        """A send is waiting on a full pipe now (`complete`)."""
+        return self._stall_since is not None
+
+    def give_up(self) -> None:
+        """End every wait on a full pipe, now and from now on (what is not sent is dropped and counted): the
+        session is closing, or a thread closing it must not wait behind a model's thread blocked on a subscriber
+        that reads nothing (`_session.py`)."""
+        self._giving_up.set()
 
     def degrade(self) -> None:
         """Stop blocking on full pipes (after `stall_timeout` under `complete`)."""

@@ -326,7 +326,16 @@ class _StreamEnd:
 
     def close(self, timeout: float) -> None:
         pub, cp = self.publisher, self.copy
-        cp.flush_device(block=True)
+        # From another thread the model's may hold the copy path's lock, blocked on a full pipe (`complete`, a
+        # subscriber that reads nothing): that wait ends here, as it would at the end of stream, instead of this
+        # thread waiting behind it for good.
+        while not cp.lock.acquire(timeout=0.05):
+            if pub.stalled:
+                pub.give_up()
+        try:
+            cp.flush_device(block=True)
+        finally:
+            cp.lock.release()
         pub.close({"run": self.run, "captured": cp.captured, "published": pub.published,
                    "dropped": cp.dropped + pub.dropped}, timeout)  # idempotent
         _discovery.unregister(self.registered)  # type: ignore[arg-type]
