@@ -220,8 +220,9 @@ class Hooks:
         tracker = self.ids
         self._fired = 0
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        self._ident = ident = tracker.begin(ids, kwargs.get("attention_mask"), cache_length(cache), ref.shape[0],
-                                            ref.shape[1], self.override, ref.device)
+        shape = ref.shape
+        self._ident = ident = tracker.begin(ids, kwargs.get("attention_mask"), cache_length(cache), shape[0],
+                                            shape[1], self.override, ref.device)
         self._deferred = ([] if self.defer and ident.batch * ident.seq_len <= DEFER_ROWS
                           and not torch.is_inference_mode_enabled() else None)
         if tracker.warnings:

@@ -242,11 +242,12 @@ class IdentityTracker:
             count = self._count
             if count is None or len(count) != batch or past != self._expect_width:
                 return None
-            if mask.dim() == 4:  # a static cache's [B, 1, 1, keys]: the new token sees itself unless it is padding
-                if mask.shape[:3] != (batch, 1, 1) or mask.shape[3] <= past or mask.dtype != torch.bool \
-                        or not _sees_itself(mask, batch, past):
+            shape = mask.shape
+            if len(shape) == 4:  # a static cache's [B, 1, 1, keys]: the new token sees itself unless it is padding
+                if shape[0] != batch or shape[1] != 1 or shape[2] != 1 or shape[3] <= past \
+                        or mask.dtype != torch.bool or not _sees_itself(mask, batch, past):
                     return None
-            elif (mask.shape != (batch, past + 1) or mask.dtype not in _FLAG_DTYPES
+            elif (shape != (batch, past + 1) or mask.dtype not in _FLAG_DTYPES
                   or not _sees_itself(mask, batch, past)):
                 return None
         tok = [row[0] for row in ids.tolist()]
