@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
+from ..forward._compiled import StaticLoopLayer
 from ..forward._kv import GrowingLayer
 
 if TYPE_CHECKING:  # types only: the feeders stay unimported here (no import cycle)
@@ -186,7 +187,7 @@ def keep_path(cache: DynamicCache, cols: int, path: list[int]) -> None:
     """Keep the prefix, the root and the accepted nodes' K/V (batch 1); drop every other tree column."""
     idx = torch.tensor([*range(cols + 1), *(cols + 1 + i for i in path)])
     for layer in cache.layers:
-        if isinstance(layer, GrowingLayer):  # the loop's cache: the path's columns moved up in place
+        if isinstance(layer, GrowingLayer | StaticLoopLayer):  # the loop's caches: the path moved up in place
             layer.keep(cols + 1, idx[cols + 1:].to(layer.device))
             continue
         keys = layer.keys

@@ -85,7 +85,7 @@ class SpeculativeDecoder:
                  k: int | None = None, ngram: NgramDrafter | None = None,
                  model_drafter: ModelDrafter | list[ModelDrafter] | None = None, endpoint: str | None = None,
                  schedule: str = "auto", cost: CostModel | None = None, tree: int = 0, tree_top_k: int = 4,
-                 packed: str = "all", ngram_tree: int = 12) -> None:
+                 packed: str = "all", ngram_tree: int = 12, compiled: bool = False) -> None:
         if schedule not in ("auto", "fixed"):
             raise ValueError(f"schedule must be 'auto' or 'fixed', got {schedule!r}")
         if k is None:
@@ -93,7 +93,7 @@ class SpeculativeDecoder:
         if k < 1:
             raise ValueError(f"k (the longest draft) must be >= 1, got {k}")
         self.k = k
-        self.target = Target(target, packed, session=None)
+        self.target = Target(target, packed, session=None, compiled=compiled)
         if drafter == "auto":
             if model_drafter is None:
                 from ..drafters import DrafterError, load_drafter
@@ -117,7 +117,8 @@ class SpeculativeDecoder:
         self.target.session = self.drafters.session
         self.sched = self.drafters.scheds[0]  # the first model drafter's scheduler state (or n-gram's alone)
         packed_kind = self.target.packed.kind if self.target.packed is not None else "none"
-        self.cost = cost if cost is not None else CostModel.for_target(target, packed=packed_kind)
+        self.cost = cost if cost is not None else CostModel.for_target(target, packed=packed_kind,
+                                                                       compiled=self.target.compiled)
         if ngram_tree < 0:
             raise ValueError(f"ngram_tree (most nodes of an n-gram tree) must be >= 0, got {ngram_tree}")
         self.ngram_tree = ngram_tree if self.ngram is not None and schedule == "auto" else 0
@@ -224,6 +225,24 @@ class SpeculativeDecoder:
         run = Run(input_ids, attention_mask, max_new_tokens=max_new_tokens, k=self.k, eos=eos_list(eos),
                   device=param.device, scheds=scheds, dtype=param.dtype, temperature=temperature, top_k=top_k,
                   top_p=top_p, seed=seed, streamer=streamer, drafting=drafting, model_drafters=model_drafters)
+        if self.target.compiled is not None:  # a static cache, unless a drafter reads the cache as it grows
+            binds = run.model_drafters and any(hasattr(sl.feeder, "bind_run") for sl in self.drafters.slots)
+            # the mask's columns (prompt, new tokens, a round's drafts) and a tree's nodes; more grows it
+            run.cache = self.target.new_cache(run.b, run.mask.shape[1] + max(self.tree, self.ngram_tree) + 1,
+                                              static=not binds)
+            if not binds:  # the graphs this call may run, compiled before it starts (not what drafting costs)
+                t_warm = time.perf_counter()
+                self.target.capture(False)  # the compiled forwards are the ones without taps (`Target.forward`)
+                longest = [self.k + 1, self.ngram_tree + 1, self.tree + 1] if drafting and self.has_drafter else []
+                lengths = [1, *range(2, max(longest, default=1) + 1)]
+                self.target.compiled.warm(run.b, run.cache.capacity, lengths, self.target.cache_kw)
+                if run.model_drafters and self.session is not None:  # the graphs with the drafters' taps in them
+                    self.target.capture(True)
+                    with self.target.quiet(run, reads_features=False):  # (their captures marked invalid)
+                        self.target.compiled.warm(run.b, run.cache.capacity, lengths[: self.k + 1],
+                                                  self.target.cache_kw, pad=False)
+                    self.target.capture(False)
+                run.setup_s += time.perf_counter() - t_warm
         for sc in run.scheds:
             sc.new_call()
         if drafting and self.has_drafter:
@@ -234,7 +253,7 @@ class SpeculativeDecoder:
             eagle3 = next((sl.drafter for sl in self.drafters.slots if isinstance(sl.drafter, Eagle3Drafter)), None)
             t_cost = time.perf_counter()
             self.cost.ensure(run.b, k_max, eagle3, off, on)
-            run.setup_s = time.perf_counter() - t_cost  # once per model and machine: not what drafting costs a call
+            run.setup_s += time.perf_counter() - t_cost  # once per model and machine: not what drafting costs a call
         for slot in self.drafters.slots if run.model_drafters else []:
             slot.feeder.prepare(run.b, run.cap)
             if hasattr(slot.feeder, "bind_run"):  # a drafter that reads the target's own cache (layer skip)

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from ..forward._compat import cache_kw
+from ..forward._compiled import CompiledForward, StaticLoopCache
+from ..forward._kv import GrowingCache
 from ..forward._packed import PackedLinears
 
 if TYPE_CHECKING:
@@ -31,10 +33,12 @@ if TYPE_CHECKING:
 
 
 class Target:
-    def __init__(self, model: nn.Module, packed: str, session: object | None) -> None:
+    def __init__(self, model: nn.Module, packed: str, session: object | None, compiled: bool = False) -> None:
         self.model = model
         self.cache_kw = cache_kw(model.forward)  # how this transformers release names the KV cache (`_compat.py`)
         self.packed = PackedLinears.of(model, packed)  # verify forwards' linear layers, packed once
+        # the forwards compiled over a static cache (`_compiled.py`), or None: eager over a GrowingCache
+        self.compiled = CompiledForward.of(model) if compiled else None
         self.session = session  # a probe.Session on the model drafters' feature sites, or None
         self.capturing = True
         self.toggle_s = 2e-3  # seconds to pause or resume the probes, measured as it happens (from a high guess)
@@ -55,13 +59,29 @@ class Target:
         where that applies."""
         return self.packed.active() if self.packed is not None else contextlib.nullcontext()
 
+    def new_cache(self, batch: int, columns: int, static: bool) -> GrowingCache | StaticLoopCache:
+        """A call's KV cache for `columns` columns: static where the forwards run compiled (`static`: nothing
+        else reads the cache as a GrowingCache, e.g. layer skip's drafter), else a GrowingCache."""
+        if self.compiled is not None and static:
+            return self.compiled.new_cache(batch, columns)
+        return GrowingCache(capacity=columns + 64)  # a tree's nodes fit too (`forward/_kv.py`)
+
     def forward(self, run: Run, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 phase: str = "verify", labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, L, V] of one forward on the call's cache. `labels`: the positions the probes publish
         (a tree forward labels node j with last + j; default `positions`)."""
-        with self.context(phase, run, positions if labels is None else labels), self.weights():
-            return self.model(ids, attention_mask=mask, position_ids=positions, **{self.cache_kw: run.cache},
-                              use_cache=True).logits
+        with self.context(phase, run, positions if labels is None else labels):
+            if isinstance(run.cache, StaticLoopCache):
+                # compiled but the prefill (its length is the prompt's; eager, packed weights); where the probes
+                # publish, a graph with the taps in it and exactly the real rows
+                if phase == "prefill":
+                    with self.weights():
+                        return self.compiled(ids, positions, mask, run.cache, self.cache_kw, compiled=False)
+                return self.compiled(ids, positions, mask, run.cache, self.cache_kw,
+                                     pad=self.session is None or not self.capturing)
+            with self.weights():
+                return self.model(ids, attention_mask=mask, position_ids=positions, **{self.cache_kw: run.cache},
+                                  use_cache=True).logits
 
     # --- the probes -------------------------------------------------------------------
     def capture(self, on: bool) -> None:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..forward._compat import cache_kw
+from ..forward._compiled import CompiledForward, bucket
 from ..forward._kv import GrowingCache
 from ..forward._mask import causal_block
 from ..forward._packed import PackedLinears
@@ -109,16 +110,19 @@ class CostModel:
         self.adapt = adapt
         self._target: nn.Module | None = None  # the model `ensure` measures (set by `for_target`)
         self._packed = "none"  # which of the target's weights the loop's multi-token forwards use packed
+        self._compiled: CompiledForward | None = None  # the loop's forwards compiled: the curve measures those
         self.full = False  # measure every length (refresh=True: the benchmark, --refresh-cost), else `quick_lengths`
 
     @classmethod
     def for_target(cls, target: nn.Module, *, refresh: bool = False, path: Path | None = None,
-                   packed: str = "all") -> CostModel:
-        """`packed`: the loop's forwards use `PackedLinears` ("all" by default), so their curve does."""
+                   packed: str = "all", compiled: CompiledForward | None = None) -> CostModel:
+        """`packed`: the loop's forwards use `PackedLinears` ("all" by default), so their curve does. `compiled`:
+        the loop's forwards run compiled (`forward/_compiled.py`), and the curve is measured on them, apart."""
         have = PackedLinears.of(target, packed)
         packed = have.kind if have is not None else "none"
         # "+CACHE_VERSION": the cache format (see CACHE_VERSION for when to bump it)
-        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}+{CACHE_VERSION}"
+        mode = "|compiled" if compiled is not None else ""
+        key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}{mode}+{CACHE_VERSION}"
                              .encode()).hexdigest()[:20]
         path = path or cache_dir() / f"decoder-cost-{key}.json"
         data = None
@@ -130,6 +134,7 @@ class CostModel:
         model = cls(key, data, path)
         model._target = target
         model._packed = packed
+        model._compiled = compiled
         model.full = refresh
         return model
 
@@ -191,7 +196,8 @@ class CostModel:
         reps = 6 if quick is None else 3
         if not self.has(batch, k_max):
             self.data[str(batch)] = self.measure(self._target, batch, k_max, drafter, context,
-                                                 packed=self._packed, lengths=quick, reps=reps)
+                                                 packed=self._packed, lengths=quick, reps=reps,
+                                                 compiled=self._compiled)
         if capturing is not None:
             on = self.measure(self._target, batch, k_max, None, capturing, packed=self._packed,
                               lengths=None if quick is None else [1, k_max + 1], reps=reps)["verify"]
@@ -204,15 +210,20 @@ class CostModel:
     @torch.no_grad()
     def measure(target: nn.Module, batch: int, k_max: int, drafter: nn.Module | None = None,
                 context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
-                ctx_len: int = 32, reps: int = 6, packed: str = "none", lengths: list[int] | None = None) -> dict:
+                ctx_len: int = 32, reps: int = 6, packed: str = "none", lengths: list[int] | None = None,
+                compiled: CompiledForward | None = None) -> dict:
         """Seconds of a forward over L = 1..k_max+1 new tokens after ctx_len cached ones, and of a drafter step.
 
         The fastest of `reps` interleaved runs (the first run of a shape pays one-time costs; on a
         shared machine the slow runs measure the neighbours, not the model). `context()` (if given)
         wraps each forward, e.g. a probe context that publishes nothing. `packed`: every forward uses these
         packed weights ("all", "head"), as the loop's do (`_packed.py`). `lengths`: measure only these (1 and
-        k_max + 1 among them), the others interpolated linearly.
+        k_max + 1 among them), the others interpolated linearly. `compiled`: the forwards run compiled over a
+        static cache, as the loop's then do; a length costs what its graph's length costs (`bucket`), so those
+        lengths are the ones measured.
         """
+        if compiled is not None:
+            return CostModel._measure_compiled(compiled, target, batch, k_max, drafter, context, ctx_len, reps)
         p = next(target.parameters())
         vocab = target.config.vocab_size
         gen = torch.Generator().manual_seed(0)
@@ -241,6 +252,38 @@ class CostModel:
         step = verify[0] * 0.15
         if drafter is not None and hasattr(drafter, "step"):
             step = CostModel._measure_step(drafter, batch, reps)
+        return {"verify": verify, "step": step}
+
+    @staticmethod
+    @torch.inference_mode()  # as the loop's calls: a graph compiled under no_grad is another graph
+    def _measure_compiled(compiled: CompiledForward, target: nn.Module, batch: int, k_max: int,
+                          drafter: nn.Module | None, context: Callable[[], contextlib.AbstractContextManager[object]]
+                          | None, ctx_len: int, reps: int) -> dict:
+        """`measure` on the compiled forwards: each graph length up to k_max + 1's, the first run of each (its
+        compile) left out, then every length gets its graph's time."""
+        p = next(target.parameters())
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, target.config.vocab_size, (batch, ctx_len + k_max + 1), generator=gen).to(p.device)
+        cache = compiled.new_cache(batch, ctx_len + k_max + 1)  # the calls' own (reused: the same graphs)
+        todo = sorted({bucket(n) or n for n in range(1, k_max + 2)})
+        times: dict[int, list[float]] = {n: [] for n in todo}
+        kv = cache_kw(target.forward)
+        pos = torch.arange(ctx_len + k_max + 1, device=p.device)[None].expand(batch, -1)
+        with context() if context is not None else torch.no_grad():
+            compiled(ids[:, :ctx_len], pos[:, :ctx_len], None, cache, kv, compiled=False)
+            for _ in range(reps + 1):
+                for length in todo:  # interleaved: drift hits every length alike
+                    t0 = time.perf_counter()
+                    compiled(ids[:, ctx_len: ctx_len + length], pos[:, ctx_len: ctx_len + length], None, cache, kv)
+                    if p.device.type == "cuda":
+                        torch.cuda.synchronize(p.device)
+                    times[length].append(time.perf_counter() - t0)
+                    cache.crop(-length)
+        cache.crop(-cache.get_seq_length())  # the calls' cache: empty again
+        at = {n: min(ts[1:]) for n, ts in times.items()}
+        verify = [at[bucket(n) or n] for n in range(1, k_max + 2)]
+        step = CostModel._measure_step(drafter, batch, reps) if drafter is not None and hasattr(drafter, "step") \
+            else verify[0] * 0.15
         return {"verify": verify, "step": step}
 
     @staticmethod

@@ -1,0 +1,88 @@
+"""The loop on a compiled target (`SpeculativeDecoder(..., compiled=True)`): greedy output equals plain greedy
+`generate` token for token, with chains, trees, n-gram and EAGLE-3 (whose forwards run graphs with the probes'
+taps in them), at batch 1 and on a left-padded batch; the forwards really ran compiled; the static cache grows
+when a call outruns it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import PAD, build, left_padded
+from test_decoder_greedy import PROMPTS, assert_same_or_near_tie
+
+from decoder import NgramDrafter, SpeculativeDecoder
+from decoder.drafters import Eagle3Config, Eagle3Drafter
+from decoder.forward._compiled import CompiledForward, StaticLoopCache
+from decoder.forward._kv import GrowingCache
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return build("llama", layers=8)
+
+
+def _eagle(model: torch.nn.Module) -> Eagle3Drafter:
+    torch.manual_seed(3)
+    return Eagle3Drafter(Eagle3Config.for_target(model.config)).bind_target(model)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_loop_greedy_equals_generate(model: torch.nn.Module, batch: int) -> None:
+    ids, mask = left_padded(PROMPTS[:batch])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                              eos_token_id=None, pad_token_id=PAD)
+    kinds = [(NgramDrafter(), {"schedule": "fixed"}), (_eagle(model), {"schedule": "fixed"})]
+    if batch == 1:
+        kinds.append(("auto", {"model_drafter": _eagle(model), "ngram_tree": 0}))
+    for drafter, kw in kinds:
+        with SpeculativeDecoder(model, drafter, k=2, compiled=True, **kw) as spec:
+            compiled, calls = spec.target.compiled, []
+            inner = compiled.fn
+            compiled.fn = lambda *a, c=calls, f=inner, **k: (c.append(1), f(*a, **k))[1]  # counts compiled calls
+            try:
+                out = spec.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD)
+                again = spec.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD)  # the graphs run again
+            finally:
+                compiled.fn = inner
+        assert_same_or_near_tie(model, out.sequences, want, mask)
+        assert_same_or_near_tie(model, again.sequences, want, mask)
+        assert out.stats.emitted == 20 * batch
+        assert len(calls) >= out.stats.target_forwards, "the rounds' forwards did not run compiled"
+
+
+def test_compiled_tree_rounds_equal_generate(model: torch.nn.Module) -> None:
+    ids, mask = left_padded(PROMPTS[:1])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                              eos_token_id=None, pad_token_id=PAD)
+    with SpeculativeDecoder(model, _eagle(model), k=2, schedule="fixed", tree=4, compiled=True) as spec:
+        out = spec.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD)
+    assert_same_or_near_tie(model, out.sequences, want, mask)
+
+
+def test_compiled_sampling_runs_and_keeps_its_budget(model: torch.nn.Module) -> None:
+    ids, mask = left_padded(PROMPTS[:2])
+    with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed", compiled=True) as spec:
+        out = spec.generate(ids, mask, max_new_tokens=16, temperature=0.8, seed=1, pad_token_id=PAD)
+    assert out.stats.emitted == 32
+    assert out.sequences.shape == (2, ids.shape[1] + 16)
+    assert int(out.sequences.max()) < model.config.vocab_size
+
+
+@torch.inference_mode()
+def test_static_cache_grows_and_keeps_its_columns(model: torch.nn.Module) -> None:
+    """A call that outruns its static cache gets a larger one with the filled columns copied: the next forward's
+    logits equal the eager forward's over a GrowingCache holding the same tokens."""
+    fwd = CompiledForward.of(model)
+    cache = fwd.new_cache(1, 8)
+    assert isinstance(cache, StaticLoopCache) and cache.capacity == 256
+    grown_ref = GrowingCache(400)
+    ids = torch.randint(3, model.config.vocab_size, (1, 250))
+    fwd(ids, torch.arange(250)[None], None, cache, "cache", compiled=False)
+    model(ids, position_ids=torch.arange(250)[None], cache=grown_ref, use_cache=True)
+    nxt = torch.randint(3, model.config.vocab_size, (1, 9))
+    got = fwd(nxt, torch.arange(250, 259)[None], None, cache, "cache")  # 250 + a graph of 9 > 256 columns
+    want = model(nxt, position_ids=torch.arange(250, 259)[None], cache=grown_ref, use_cache=True).logits
+    assert cache.capacity == 512 and cache.get_seq_length() == 259
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
