@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _prompt_sets import SETS, load_sets  # noqa: E402
 
 from decoder import NgramDrafter, RemoteEagle, SpeculativeDecoder, load_drafter, load_named_drafter  # noqa: E402
+from decoder.forward._compiled import CompiledForward  # noqa: E402
 from decoder.loop import AUTO_K, FIXED_K, oracle_bound, simulated_seconds  # noqa: E402
 from decoder.schedule import CostModel, PathChoice  # noqa: E402
 from probebus._load import load_model  # noqa: E402
@@ -79,7 +80,8 @@ NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "MTP attn": 
          "DSpark": "dspark", "draft model": "draft-model", "layer skip": "layer-skip", "EAGLE-3 tree": "default"}
 ALL = ["plain", "HF compiled", "loop, no drafter", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3",
        "EAGLE-3 tree", "Medusa", "Medusa tree",
-       "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several"]
+       "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several",
+       "loop compiled, no drafter", "auto compiled"]
 # A/B runs, named, never in 'all': the packed weights (LM head only, none), and n-gram trees (loop/_ngram_tree.py)
 AB = ["plain, inference mode",  # `generate` under the decoder's inference mode: what the mode alone is worth
       "n-gram, packed=head", "auto, packed=head", "n-gram, packed=none", "auto, packed=none", "n-gram tree",
@@ -110,6 +112,12 @@ def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr:
         return spec
     if name.endswith(", other drafter"):  # the same decoder as the named row with --other-drafter's head
         return make(name.split(",")[0], model, OTHER["drafter"], cost, k, remote_addr)
+    if name in ("loop compiled, no drafter", "auto compiled"):  # the loop on a compiled target (forward/_compiled.py)
+        if "compiled" not in OTHER:  # one curve for both, measured on the compiled forwards
+            OTHER["compiled"] = CostModel.for_target(model, refresh=True, compiled=CompiledForward.of(model))
+        auto = name == "auto compiled"
+        return SpeculativeDecoder(model, "auto" if auto else None, model_drafter=drafter if auto else None, k=k,
+                                  cost=OTHER["compiled"], compiled=True)
     if name == "loop, no drafter":  # what the loop's own steps are worth against `generate`, nothing drafted
         return SpeculativeDecoder(model, None, cost=cost)
     if name == "n-gram":
