@@ -48,8 +48,19 @@ def number(site: str) -> int:
 
 
 def eager(fn: Callable) -> Callable:
-    """`fn`, which Dynamo will run as eager code (a graph break) wherever it meets it inside a compiled call.
-    Dynamo is loaded by transformers before any model is; where it is not, nothing compiles the model yet."""
+    """`fn`, which Dynamo will run as eager code wherever it meets it inside a compiled call (with what it calls).
+    Dynamo is loaded by transformers before any model is; where it is not, nothing compiles the model yet.
+
+    Marked on its code object where this torch has the means (Dynamo then skips its frame and every frame it
+    calls, as `torch._dynamo.disable` does), so that an eager call, the documented path's (`model.forward =
+    torch.compile(model.forward)`: the step hooks run in `Module.__call__`), costs nothing more; `disable`'s
+    wrapper set and restored Dynamo's frame callback on every call (docs/design.md, "Costs behind the code",
+    Compiled step). Elsewhere, `disable`'s wrapper."""
     if "torch._dynamo" not in sys.modules:
         return fn
-    return torch._dynamo.disable(fn, reason="probebus: a step's identity is read outside the graph")
+    try:
+        from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # (torch 2.13 has it)
+        return torch._dynamo.disable(fn, reason="probebus: a step's identity is read outside the graph")
+    set_code_exec_strategy(getattr(fn, "__func__", fn).__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return fn

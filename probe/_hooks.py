@@ -243,7 +243,7 @@ class Hooks:
                 self._ident = self._deferred = None
                 if cp.failed:
                     self._report(cp)
-                if cp.has_queued:
+                if cp.due_at_step_end:
                     self._flush(cp)
                 cp.in_step = False
                 self.publisher.step_done()
@@ -286,7 +286,7 @@ class Hooks:
             else:
                 t = third[0] if isinstance(third, (tuple, list)) else third
             if compiling():
-                staged.append((index, t))
+                staged.append((index + 0, t))  # (see `_site_hook`)
             elif isinstance(t, tensor) and name in active:  # (as `_take_staged` takes a traced tap's tensor)
                 deferred = self._deferred
                 if deferred is not None:

@@ -24,8 +24,10 @@ import numpy as np
 import torch
 
 PREFILL, DECODE, VERIFY = 0, 1, 2
-_byte, _string_at = ctypes.c_ubyte.from_address, ctypes.string_at
-_FLAG_DTYPES = (torch.int64, torch.int32, torch.bool, torch.uint8)  # a 2-D mask whose flags `_sees_itself` reads
+_byte, _int64, _string_at = ctypes.c_ubyte.from_address, ctypes.c_int64.from_address, ctypes.string_at
+# The flag dtypes of a 2-D mask that `_sees_itself` reads, and their sizes in bytes
+_FLAG_SIZES = {torch.int64: 8, torch.int32: 4, torch.bool: 1, torch.uint8: 1}
+_FLAG_DTYPES = tuple(_FLAG_SIZES)
 
 
 class StepIdentity:
@@ -135,14 +137,22 @@ def _sees_itself(mask: torch.Tensor, batch: int, past: int) -> bool:
     """Whether every row of a host mask ([B, keys] of 0/1 or [B, 1, 1, keys] of bool) lets its new token (key
     `past`) attend: each flag read at the tensor's own address, nonzero in any of its bytes. Slicing the mask in
     numpy cost the step more than the rest of its identity: each numpy call runs from cold caches between
-    forwards (docs/design.md, "Costs behind the code", Decode-step identity)."""
-    stride, size = mask.stride(), mask.element_size()
+    forwards (docs/design.md, "Costs behind the code", Decode-step identity). A plain loop, not `all()` over a
+    generator: one frame fewer, from cold caches too."""
+    stride = mask.stride()
+    size = _FLAG_SIZES[mask.dtype]
     at = mask.data_ptr() + past * stride[-1] * size
     row = stride[0] * size
     if size == 1:
-        return all(_byte(at + b * row).value for b in range(batch))
+        for b in range(batch):
+            if not _byte(at + b * row).value:
+                return False
+        return True
     zero = bytes(size)
-    return all(_string_at(at + b * row, size) != zero for b in range(batch))
+    for b in range(batch):
+        if _string_at(at + b * row, size) == zero:
+            return False
+    return True
 
 
 def _shaped(a: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -154,11 +164,31 @@ def cache_length(cache: object) -> int:
         return 0
     get = getattr(cache, "get_seq_length", None)
     if callable(get):
-        return int(get())
+        n = get()
+        return n if type(n) is int else _tensor_int(n)
     try:  # legacy tuple-of-tuples cache: [layer][k/v] of [B, heads, T, d]
         return int(cache[0][0].shape[-2])  # type: ignore[index]
     except (TypeError, IndexError, AttributeError):
         return 0
+
+
+# The last 0-d length tensor read at its address: (tensor, its c_int64, the address), replaced whole (threads)
+_length_at: tuple = (None, None, 0)
+
+
+def _tensor_int(n: object) -> int:
+    """`int(n)` of a cache's length. A static cache's is a 0-d int64 tensor updated in place each step
+    (transformers' `StaticLayer.cumulative_length`): read at its address, which stays while its storage does,
+    instead of through `item()`'s dispatch (docs/design.md, "Costs behind the code", Decode-step identity)."""
+    global _length_at
+    memo = _length_at
+    if n is memo[0] and n.data_ptr() == memo[2]:  # type: ignore[attr-defined]
+        return memo[1].value
+    if isinstance(n, torch.Tensor) and n.dtype == torch.int64 and n.dim() == 0 and n.is_cpu:
+        at = n.data_ptr()
+        memo = _length_at = (n, _int64(at), at)
+        return memo[1].value
+    return int(n)  # type: ignore[call-overload]
 
 
 class IdentityTracker:
@@ -186,8 +216,8 @@ class IdentityTracker:
 
     def begin(self, ids: torch.Tensor | None, mask: torch.Tensor | None, past: int, batch: int, seq_len: int,
               override: dict | None, device: torch.device) -> StepIdentity:
-        if (override is None and seq_len == 1 and past > 0 and ids is not None and ids.device.type == "cpu"
-                and (mask is None or mask.device.type == "cpu")):
+        if (override is None and seq_len == 1 and past > 0 and ids is not None and ids.is_cpu
+                and (mask is None or mask.is_cpu)):
             fast = self._decode_step(ids, mask, past, batch, device)
             if fast is not None:
                 return fast

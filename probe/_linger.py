@@ -113,6 +113,12 @@ class HeldBundles:
         """Captures in bundles held for a later send."""
         return self._held_count
 
+    def held_due(self) -> bool:
+        """Captures are held that a step's end would send now: the oldest is a linger old, 1 MiB are held, or
+        nothing is to be held any more (a live subscriber came, `send_bundles`)."""
+        return bool(self._held_count) and (not self._holding or self._held_bytes >= _HOLD_MAX
+                                           or time.monotonic() - self._held_since >= self._linger)
+
     def _hold(self, buf: bytearray, meta: list[tuple[bytes, int, int]]) -> None:
         """Keep a bundle for later, appended to the last held one while that stays within BUNDLE_MAX."""
         held = self._held

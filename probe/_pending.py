@@ -93,31 +93,40 @@ class PendingSteps:
                     keys: dict[int, SiteKey]) -> bool:
         """A compiled step's staged graph outputs (site number, tensor), every one of an active site, kept as they
         are with their version counters, the rest of `defer_step`'s work left to the pack; False (nothing kept):
-        this step cannot wait, the caller takes the general path."""
-        if not self.pub._holding or ident.valid is not None or not ident.settled:
+        this step cannot wait, the caller takes the general path. The step's end runs from caches its forward
+        flushed, where every attribute, property and call costs: this reads each once (docs/design.md, "Costs
+        behind the code", Pending steps)."""
+        pub = self.pub
+        if (pub.live or pub.max_delay <= 0 or ident.valid is not None  # (`pub._holding`, inline)
+                or ident._decode is None and 1 not in ident._rows):  # (not `ident.settled`, inline)
             return False
         try:
             versions = [t._version for _, t in staged]
         except AttributeError:  # something that is not a tensor: the general path skips it
             return False
         now = time.monotonic()
+        n = len(versions)
         with self.lock:
-            if not self._pending:
+            pending = self._pending
+            if not pending:
                 self._pending_since = now
-            self._pending.append((None, ident, (staged.copy(), versions, keys)))
-            self.pending += len(versions)
-            self._pending_bytes += len(versions) * staged[0][1].nbytes
-            if (len(self._pending) >= MAX_STEPS or self._pending_bytes >= MAX_BYTES
-                    or now - self._pending_since >= self.pub.linger):
+            pending.append((None, ident, (staged.copy(), versions, keys)))
+            self.pending += n
+            self._pending_bytes += n * staged[0][1].nbytes
+            if (len(pending) >= MAX_STEPS or self._pending_bytes >= MAX_BYTES
+                    or now - self._pending_since >= pub._linger):
                 self._pack_pending()
         return True
 
     @property
-    def has_queued(self) -> bool:
-        """Something waits for a flush at this step's end: bundles, held or large captures, held bundles."""
+    def due_at_step_end(self) -> bool:
+        """What the end of a step whose captures wait (`wait_staged`) must flush: bundles or large captures (its own,
+        or packed just now), borrowed tensors, held bundles due to go. Held bundles not yet due are left alone:
+        flushing only to find that out cost every step ~10 us while any were held (docs/design.md, "Costs behind
+        the code", Pending steps)."""
         b = self._bundler
         return bool(b.meta or b.sealed or self._held or self._large or self._borrowed  # type: ignore[attr-defined]
-                    or self.pub.held)
+                    or self.pub.held_due())
 
     def _pack_pending(self) -> None:
         """Pack every waiting step into the bundle, oldest first (under `lock`)."""

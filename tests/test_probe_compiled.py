@@ -157,6 +157,48 @@ def test_a_compiled_call_keeps_each_step_identity() -> None:
     assert [len(c.positions) for c in caps if c.site == "layers.0.resid_post"] == [len(PROMPTS[0])] + [1] * 4
 
 
+def test_a_compiled_module_keeps_each_step_identity() -> None:
+    """`torch.compile(model)`, fullgraph: the step hooks, which Dynamo skips by their code objects (`_compiled.eager`),
+    run outside the graph around each call, and each step's rows are eager's."""
+    model = build("llama", layers=2)
+    compiled = torch.compile(model, fullgraph=True)
+    seq = torch.tensor([PROMPTS[0]])
+    with probe.attach(model, "layers.*.resid_post") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for(sub)
+        with torch.no_grad():
+            for n in (len(PROMPTS[0]), 3, 4):  # three forwards of their own (no cache): each a prefill
+                compiled(input_ids=seq[:, :n])
+    caps = list(sub.iter(idle_timeout=2.0))
+    assert graphs() >= 1 and len(caps) == 3 * 2
+    oracle = {k: v[0] for k, v in oracle_activations(model, seq).items()}
+    for cap in caps:
+        assert cap.positions.tolist() == list(range(cap.n_tokens))
+        torch.testing.assert_close(cap.tensor, oracle[cap.site][: cap.n_tokens], atol=1e-4, rtol=1e-4)
+
+
+def test_a_static_cache_length_read_at_its_address_follows_the_cache() -> None:
+    """`cache_length` reads a static cache's 0-d length tensor at its address: it follows in-place updates, a reset,
+    and another cache read in between, as `int(get_seq_length())` does."""
+    from transformers import StaticCache
+
+    from probe._identity import cache_length
+
+    model = build("llama", layers=2)
+    caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    with torch.no_grad():
+        for i, cache in enumerate(caches):
+            model(torch.tensor([PROMPTS[0][: 2 + i]]), past_key_values=cache)
+        for _ in range(3):
+            for cache in caches:
+                assert cache_length(cache) == int(cache.get_seq_length())
+                n = cache_length(cache)
+                model(torch.tensor([[7]]), past_key_values=cache, cache_position=torch.tensor([n]))
+        caches[0].reset()
+        assert cache_length(caches[0]) == int(caches[0].get_seq_length()) == 0
+        assert cache_length(caches[1]) == int(caches[1].get_seq_length()) == 3 + 3
+
+
 def test_a_forward_that_runs_none_of_the_taps_is_reported() -> None:
     """A session must never capture nothing in silence: a forward that goes around the tapped modules (as a graph
     exported or captured elsewhere would) gets a warning that says so and what to do."""
