@@ -86,3 +86,19 @@ def test_static_cache_grows_and_keeps_its_columns(model: torch.nn.Module) -> Non
     want = model(nxt, position_ids=torch.arange(250, 259)[None], cache=grown_ref, use_cache=True).logits
     assert cache.capacity == 512 and cache.get_seq_length() == 259
     assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+
+
+def test_compiled_loop_follows_weights_changed_between_calls() -> None:
+    """The compiled graphs read packed copies of the linear layers (`packed_linear`): a weight changed in place
+    between two calls is packed again, and the second call still equals `generate` of the changed model."""
+    model = build("llama", layers=8, seed=1)
+    ids, mask = left_padded(PROMPTS[:1])
+    with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed", compiled=True) as spec:
+        spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD)
+        with torch.no_grad():
+            head = model.get_output_embeddings()  # (the layer this small model packs), a new tensor
+            head.weight.data = head.weight.data.flip(0).contiguous()
+            want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                  eos_token_id=None, pad_token_id=PAD)
+        out = spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD)
+    assert_same_or_near_tie(model, out.sequences, want, mask)

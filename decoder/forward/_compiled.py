@@ -34,6 +34,8 @@ from torch import nn
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from ._packed import PackedLinears
+
 # Forward lengths that get a graph (longer forwards run eagerly): every chain up to 5 drafts, then steps to the
 # loop's longest (AUTO_K = 8 drafts: 9 tokens), an n-gram tree (12 nodes and the root: 13), and trees up to 64.
 LENGTHS = (1, 2, 3, 4, 5, 6, 9, 13, 16, 32, 64)
@@ -151,6 +153,8 @@ class CompiledForward:
         cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
         self.fn = torch.compile(forward, fullgraph=True, dynamic=False)
         self.dtype = next(model.parameters()).dtype
+        # the graphs call oneDNN's linear over weights packed once (`_packed.py`, `packed_linear`), where it applies
+        self.packed = PackedLinears.of(model, "all")
         self._warm: set[tuple[int, int, int, bool]] = set()  # (batch, capacity, graph length, padded) compiled
         self._caches: dict[tuple[int, int], StaticLoopCache] = {}  # (batch, capacity): reused call after call
 
@@ -183,6 +187,11 @@ class CompiledForward:
         if own is None:
             own = _OF_MODEL[model] = cls(model)
         return own
+
+    def refresh(self) -> None:
+        """Weights changed since they were packed are packed again (once per call, as the eager loop's)."""
+        if self.packed is not None:
+            self.packed.refresh()
 
     def new_cache(self, batch: int, columns: int) -> StaticLoopCache:
         """An empty cache of at least `columns` for `batch` rows: the one the last call of this shape used, so
@@ -222,11 +231,15 @@ class CompiledForward:
             cache.grow(cols + (rows or length))
         full = full_mask(mask, b, cols, length, rows or length, cache.capacity, self.dtype, ids.device)
         if rows is not None:  # fresh dense tensors: Dynamo guards on strides (a slice, an expand: a new graph)
-            pad = rows - length
-            ids = torch.cat([ids, ids[:, -1:].expand(b, pad)], 1)  # (a new tensor even where pad is 0)
-            positions = torch.cat([positions, positions[:, -1:].expand(b, pad)], 1)
+            extra = rows - length
+            ids = torch.cat([ids, ids[:, -1:].expand(b, extra)], 1)  # (a new tensor even where extra is 0)
+            positions = torch.cat([positions, positions[:, -1:].expand(b, extra)], 1)
         kw = {cache_kw: cache}
-        with self._swapped() if rows is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if rows is not None:
+                stack.enter_context(self._swapped())
+                if self.packed is not None:
+                    stack.enter_context(self.packed.traced())
             logits = self.model(ids, attention_mask=full, position_ids=positions, use_cache=True, **kw).logits
         cache.grew(ids.shape[1])
         if ids.shape[1] > length:

@@ -29,6 +29,8 @@ packed="head")`).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -94,6 +96,33 @@ class PackedLinears:
             key = (w.data_ptr(), w._version, tuple(w.shape))
             if self._packed[i] is None or self._packed[i][0] != key:
                 self._packed[i] = (key, _packed_forward(layer, every_row=layer is self.head))
+                if layer not in _NUMBERS:
+                    _NUMBERS[layer] = next(_COUNTER)
+                _PACKED[_NUMBERS[layer]] = self._packed[i][1].packed
+                _EVERY_ROW[_NUMBERS[layer]] = layer is self.head
+
+    @contextlib.contextmanager
+    def traced(self) -> Iterator[None]:
+        """The packed weights for a compiled forward: each layer's forward calls `packed_linear`, an op the graph
+        keeps as a call. The numbers are fixed per layer, so every compiled forward of the model traces the same
+        graph; `refresh` (weights that changed) updates what they name."""
+        if torch.is_grad_enabled():
+            yield
+            return
+        if self._packed[0] is None:
+            self.refresh()
+        swapped = []
+        for layer in self.layers:
+            own = layer.__dict__
+            if "forward" in own or layer._forward_hooks or layer._forward_pre_hooks:
+                continue  # someone else's tap or hook: as it is
+            own["forward"] = _traced_forward(layer, _NUMBERS[layer])
+            swapped.append(own)
+        try:
+            yield
+        finally:
+            for own in swapped:
+                del own["forward"]
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -121,6 +150,38 @@ class PackedLinears:
                 del own["forward"]
 
 
+# --- inside a compiled forward (`_compiled.py`) ----------------------------------------------------------------
+# Inductor calls `aten::mm` for a linear layer, which repacks the weight on every call of more than one row, as
+# F.linear does: a compiled verify forward gained little over the eager loop's packed one. A packed weight is an
+# opaque oneDNN tensor that Dynamo cannot trace, so the graph calls this op instead, with the layer's own weight
+# (its shape, for the fake) and a number naming the packed copy, which the op looks up when it runs.
+_PACKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # number -> packed weight (while packed)
+_EVERY_ROW: dict[int, bool] = {}  # number -> whether a single row takes the packed weight too (the head)
+_NUMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its number (a constant of the graph)
+_COUNTER = itertools.count()
+
+
+@torch.library.custom_op("probebus::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, number: int) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` over the weight packed under `number` (a single row of a layer that is not the
+    head: F.linear itself, see MIN_ELEMENTS)."""
+    packed = _PACKED.get(number)
+    if packed is not None and x.dim() == 3 and (_EVERY_ROW[number] or x.shape[0] * x.shape[1] > 1):
+        return _pointwise_op()(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, number: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _traced_forward(layer: nn.Linear, number: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, layer.weight, layer.bias, number)
+    return forward
+
+
 def _pointwise_op() -> Callable[..., torch.Tensor]:
     """oneDNN's linear over a packed weight (looked up when a layer is packed: a test can watch it)."""
     return torch.ops.mkldnn._linear_pointwise
@@ -137,4 +198,5 @@ def _packed_forward(layer: nn.Linear, every_row: bool = True) -> Callable[[torch
             return pointwise(x, packed, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
+    forward.packed = packed  # the compiled forwards' op reads it (`packed_linear`)
     return forward
