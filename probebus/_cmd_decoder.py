@@ -74,6 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "as PNGs into DIR (needs the plot extra: pip install 'probebus[plot]')")
     p.add_argument("--refresh-cost", action="store_true", help="measure this machine's cost curve again instead "
                    "of using the cached one")
+    p.add_argument("--compiled", action="store_true", help="run the target's forwards compiled (torch.compile over "
+                   "a static KV cache); the first call of a process compiles them first")
     p.set_defaults(func=_cmd_generate)
 
     t = sub.add_parser("train-drafter", help="train a drafter (EAGLE-3, Medusa, MTP, DSpark, layer skip) from a "

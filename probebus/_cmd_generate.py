@@ -10,6 +10,7 @@ Bad input is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -76,20 +77,24 @@ def load_target(args: argparse.Namespace,
 
 def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: bool = False,
                  endpoint: str | None = None, refresh_cost: bool = False,
-                 tree: int | None = None) -> SpeculativeDecoder:
-    """The decoder for a --drafter value; raises DrafterError for a bad drafter."""
+                 tree: int | None = None, compiled: bool = False) -> SpeculativeDecoder:
+    """The decoder for a --drafter value; raises DrafterError for a bad drafter. `compiled`: the loop's forwards
+    run compiled (`--compiled`), on a cost curve measured on them."""
     from decoder import DrafterError, NgramDrafter, SpeculativeDecoder, load_drafter, load_named_drafter, tree_nodes
+    from decoder.forward._compiled import CompiledForward
     from decoder.schedule import CostModel
+
+    new_decoder = functools.partial(SpeculativeDecoder, compiled=compiled)  # every decoder below
 
     schedule = "fixed" if fixed else "auto"
     if drafter == "none":
-        return SpeculativeDecoder(model, None, k=k)
-    cost = CostModel.for_target(model, refresh=refresh_cost)
+        return new_decoder(model, None, k=k)
+    cost = CostModel.for_target(model, refresh=refresh_cost, compiled=CompiledForward.of(model) if compiled else None)
     if endpoint is not None and drafter == "ngram":
         raise UsageError("--endpoint: the n-gram drafter runs without a probe session; use --drafter default or "
                          "auto to get one")
     if drafter == "ngram":
-        return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
+        return new_decoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
     if drafter == "auto":  # with --fixed or --tree: EAGLE-3 alone, as `default` was before auto became the default
         try:
             eagle = load_drafter("default", model)
@@ -104,13 +109,13 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
             where = getattr(model.config, "_name_or_path", "") or "the model"
             print(f"probebus generate: no trained drafter beside {where}; drafting with n-gram (train one: probebus "
                   "train-drafter)", file=sys.stderr)
-            return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
+            return new_decoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
         if fixed or tree:
-            return SpeculativeDecoder(model, eagle, k=k, schedule=schedule, endpoint=endpoint, cost=cost,
+            return new_decoder(model, eagle, k=k, schedule=schedule, endpoint=endpoint, cost=cost,
                                       tree=tree or 0)
-        return SpeculativeDecoder(model, "auto", model_drafter=eagle, k=k, endpoint=endpoint, cost=cost)
+        return new_decoder(model, "auto", model_drafter=eagle, k=k, endpoint=endpoint, cost=cost)
     if drafter.startswith(REMOTE):
-        return SpeculativeDecoder(model, _remote(drafter), k=k, schedule=schedule, endpoint=endpoint, cost=cost,
+        return new_decoder(model, _remote(drafter), k=k, schedule=schedule, endpoint=endpoint, cost=cost,
                                   tree=0)
     if drafter not in DRAFTER_NAMES and not Path(drafter).is_dir():
         raise UsageError(f"--drafter {drafter!r}: not a name ({', '.join(DRAFTER_NAMES)}) nor a folder, nor a "
@@ -126,7 +131,7 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
                          "--drafter default, medusa or auto to get one")
     nodes = tree_nodes(drafter) if tree is None else tree
     try:
-        return SpeculativeDecoder(model, loaded, k=k, schedule=schedule, endpoint=endpoint, cost=cost, tree=nodes)
+        return new_decoder(model, loaded, k=k, schedule=schedule, endpoint=endpoint, cost=cost, tree=nodes)
     except ValueError as exc:  # a tree for a drafter that cannot grow one
         raise UsageError(f"--drafter {drafter}: {exc}") from None
 
@@ -180,7 +185,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 raise UsageError("--plot needs matplotlib: pip install 'probebus[plot]'")
         model, tok = load_target(args)
         spec = make_decoder(model, args.drafter, args.k, fixed=args.fixed, endpoint=args.endpoint,
-                            refresh_cost=args.refresh_cost, tree=args.tree)
+                            refresh_cost=args.refresh_cost, tree=args.tree, compiled=args.compiled)
     except (UsageError, DrafterError, FileNotFoundError) as exc:
         return _fail("generate", exc)
     if spec.endpoint is not None:
