@@ -286,7 +286,9 @@ class Hooks:
             else:
                 t = third[0] if isinstance(third, (tuple, list)) else third
             if compiling():
-                staged.append((index + 0, t))  # (see `_site_hook`)
+                # A computed number, which Dynamo's replay after the graph writes as a constant; `index` itself it
+                # reloads through the layer's forward and two closures (docs/design.md, "A tap under Dynamo")
+                staged.append((index + 0, t))
             elif isinstance(t, tensor) and name in active:  # (as `_take_staged` takes a traced tap's tensor)
                 deferred = self._deferred
                 if deferred is not None:
