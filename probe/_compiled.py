@@ -5,7 +5,8 @@
         model.generate(**inputs, cache_implementation="static")     # captured as in eager mode
 
 While Dynamo traces a tapped module (`torch.compiler.is_compiling()`), a site's tap does not run
-the copy path: it appends `(site index, tensor)` to a list the session owns (`Hooks._staged`).
+the copy path: it appends `(site index, tensor)` to a list of its own (`Hooks._slots`), which the step's end
+gathers (`Hooks._gather`).
 Dynamo records that as a side effect of the graph: the tensor becomes one more output of the
 graph, and once the graph has run the list holds the real tensors. The graph stays whole
 (`fullgraph=True` holds), Inductor compiles the model as it would without probes, and nothing

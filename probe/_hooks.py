@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -84,20 +85,36 @@ def tap(module: nn.Module, fn: Callable, *, pre: bool) -> object:
                 return module.register_forward_pre_hook(fn, with_kwargs=True)
             return module.register_forward_hook(fn)
         taps = _Taps(module.__dict__.get("forward"))
-        inner = module.forward
         pres, posts = taps.pre, taps.post
+        wrapper: Callable
+        if taps.prev is None:  # the class's forward: the wrapper is bound to the module, as that forward is
+            own = type(module).forward
 
-        @functools.wraps(inner)  # keeps the signature: transformers inspects forward's parameters
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            for f in pres:
-                f(module, args, kwargs)
-            out = inner(*args, **kwargs)
-            for f in posts:
-                f(module, args, out)
-            return out
+            @functools.wraps(own)  # keeps the signature: transformers inspects forward's parameters
+            def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                for f in pres:
+                    f(self, args, kwargs)
+                out = own(self, *args, **kwargs)
+                for f in posts:
+                    f(self, args, out)
+                return out
+            # Bound, not closing over the module: a closure's reference to it (or a bound method's) is the module
+            # reached by a second path, which Dynamo checks with a guard in Python per tap per step.
+            wrapper = types.MethodType(forward, module)
+        else:  # a forward of the instance's own (someone's wrapper, a compiled function)
+            inner = taps.prev
 
-        taps.wrapper = forward
-        module.forward = forward
+            @functools.wraps(inner)  # type: ignore[arg-type]
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                for f in pres:
+                    f(module, args, kwargs)
+                out = inner(*args, **kwargs)  # type: ignore[operator]
+                for f in posts:
+                    f(module, args, out)
+                return out
+
+        taps.wrapper = wrapper
+        module.forward = wrapper
         module.__dict__[_TAPS] = taps
     callbacks = taps.pre if pre else taps.post
     callbacks.append(fn)
@@ -145,6 +162,9 @@ class Hooks:
         # What taps traced by torch.compile stage: (the site's `_compiled.number`, tensor), filled once the graph
         # has run (`_compiled.py`).
         self._staged: list[tuple[int, torch.Tensor]] = []
+        # Each traced tap's own list, gathered into `_staged` at the step's end: one list shared by every tap is one
+        # object reached through each tap's closure, which Dynamo checks with a guard in Python per tap per step.
+        self._slots: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self._keys: dict[int, SiteKey] = {}
         self._fired = 0  # captures taken in this step outside the deferred list (see `_on_step_end`)
 
@@ -161,7 +181,7 @@ class Hooks:
 
     def remove_all(self) -> None:
         with self._lock:
-            if self._staged and threading.get_ident() == self._model_thread:
+            if threading.get_ident() == self._model_thread and (self._gather() or self._staged):
                 self._take_staged()
             if self._deferred and threading.get_ident() == self._model_thread:
                 self._end_deferred()  # a forward that raised left its captures: they go out with the rest
@@ -184,13 +204,15 @@ class Hooks:
                 pre = point.kind == "pre"
                 index = _compiled.number(site)
                 self._keys[index] = key
-                self._handles[site] = tap(point.module, self._site_hook(key, index, pre), pre=pre)
+                slot = self._slots[site] = []
+                self._handles[site] = tap(point.module, self._site_hook(key, index, pre, slot), pre=pre)
                 self.active.add(site)
         else:
             for site in names:
                 h = self._handles.pop(site, None)
                 if h is not None and site not in self.active:
                     h.remove()  # type: ignore[attr-defined]
+                    self._staged += self._slots.pop(site, ())  # (a forward that raised may have left some)
         if self._handles and not self._top:
             # Module hooks, not taps: they run in `Module.__call__`, so a `model.forward` compiled before or after
             # attach leaves the step's identity to eager code (a tap would be inside the compiled forward).
@@ -233,7 +255,7 @@ class Hooks:
     def _on_step_end(self, module: nn.Module, args: tuple, output: object) -> None:
         """The step is over: its deferred captures are copied and everything it staged goes to the publisher."""
         staged, cp = self._staged, self._copy
-        if staged:
+        if self._gather() or staged:
             ident = self._ident
             # The common compiled step (a decode step, every tapped site active, nothing else captured): its graph
             # outputs wait as they are, and the rest of this (keys, versions' check, packing) runs in the pack.
@@ -270,15 +292,25 @@ class Hooks:
         except Exception as exc:  # never crash the model being observed
             self._warn_once(repr(type(exc)), f"probebus: sending a step's captures failed: {exc!r}")
 
-    def _site_hook(self, key: SiteKey, index: int, pre: bool) -> Callable:
+    def _gather(self) -> bool:
+        """Move what the traced taps staged this step into `_staged`, in the order the sites were added; True if any."""
+        staged, n = self._staged, len(self._staged)
+        for slot in self._slots.values():
+            if slot:
+                staged += slot
+                slot.clear()
+        return len(staged) > n
+
+    def _site_hook(self, key: SiteKey, index: int, pre: bool, slot: list) -> Callable:
         """The tap of one site: before its module's forward (`pre`: the tensor is its input) or after it.
 
         A closure over what it reads: between the model's layers every object a hook touches is a cache miss,
         and a partial of a bound method touched three more than this. One closure serves both kinds (`third`
         is the forward's kwargs before it, its output after it), so their logic cannot drift apart. Traced by
-        torch.compile, it stages the tensor for the step's end instead (`_take_staged`, `_compiled.py`)."""
+        torch.compile, it stages the tensor in its own `slot` for the step's end instead (`_gather`, `_take_staged`,
+        `_compiled.py`)."""
         active, name, tensor, capture = self.active, key.name, torch.Tensor, self._capture
-        compiling, staged = torch.compiler.is_compiling, self._staged
+        compiling, staged = torch.compiler.is_compiling, slot
 
         def hook(module: nn.Module, args: tuple, third: object) -> None:
             if pre:
@@ -286,7 +318,9 @@ class Hooks:
             else:
                 t = third[0] if isinstance(third, (tuple, list)) else third
             if compiling():
-                staged.append((index + 0, t))  # (see `_site_hook`)
+                # A computed number, which Dynamo's replay after the graph writes as a constant; `index` itself it
+                # reloads through the layer's forward and two closures (docs/design.md, "A tap under Dynamo")
+                staged.append((index + 0, t))
             elif isinstance(t, tensor) and name in active:  # (as `_take_staged` takes a traced tap's tensor)
                 deferred = self._deferred
                 if deferred is not None:
