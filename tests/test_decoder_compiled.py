@@ -62,11 +62,11 @@ def test_compiled_tree_rounds_equal_generate(model: torch.nn.Module) -> None:
 
 
 def test_compiled_sampling_runs_and_keeps_its_budget(model: torch.nn.Module) -> None:
-    ids, mask = left_padded(PROMPTS[:2])
+    ids, mask = left_padded(PROMPTS[:3])  # (the batch of the greedy test: its graphs)
     with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed", compiled=True) as spec:
         out = spec.generate(ids, mask, max_new_tokens=16, temperature=0.8, seed=1, pad_token_id=PAD)
-    assert out.stats.emitted == 32
-    assert out.sequences.shape == (2, ids.shape[1] + 16)
+    assert out.stats.emitted == 48
+    assert out.sequences.shape == (3, ids.shape[1] + 16)
     assert int(out.sequences.max()) < model.config.vocab_size
 
 
@@ -88,17 +88,20 @@ def test_static_cache_grows_and_keeps_its_columns(model: torch.nn.Module) -> Non
     assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
 
 
-def test_compiled_loop_follows_weights_changed_between_calls() -> None:
-    """The compiled graphs read packed copies of the linear layers (`packed_linear`): a weight changed in place
-    between two calls is packed again, and the second call still equals `generate` of the changed model."""
-    model = build("llama", layers=8, seed=1)
+def test_compiled_loop_follows_weights_changed_between_calls(model: torch.nn.Module) -> None:
+    """The compiled graphs read packed copies of the linear layers (`packed_linear`): a weight changed between two
+    calls is packed again, and the second call still equals `generate` of the changed model."""
     ids, mask = left_padded(PROMPTS[:1])
-    with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed", compiled=True) as spec:
-        spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD)
-        with torch.no_grad():
-            head = model.get_output_embeddings()  # (the layer this small model packs), a new tensor
-            head.weight.data = head.weight.data.flip(0).contiguous()
-            want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                                  eos_token_id=None, pad_token_id=PAD)
-        out = spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD)
+    head = model.get_output_embeddings()  # (the layer this small model packs)
+    kept = head.weight.data
+    try:
+        with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed", compiled=True) as spec:
+            spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD)
+            head.weight.data = kept.flip(0).contiguous()  # a new tensor: a packed copy of the old one is stale
+            with torch.no_grad():
+                want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                      eos_token_id=None, pad_token_id=PAD)
+            out = spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD)
+    finally:
+        head.weight.data = kept
     assert_same_or_near_tie(model, out.sequences, want, mask)
