@@ -2,7 +2,7 @@
 
     fwd = CompiledForward.of(model)                         # None where it does not apply
     cache = fwd.new_cache(batch=1, columns=prompt + new + slack)
-    logits = fwd(ids, positions, mask, cache)               # [B, L, V]; the cache then holds L more columns
+    logits = fwd(ids, positions, mask, cache, "cache")      # [B, L, V]; the cache then holds L more columns
     cache.crop(-2)                                          # as the loop's GrowingCache: no copy
 
 Why: a small model's forward is mostly per-op overhead, and the fastest thing a user runs instead of the loop is
@@ -19,8 +19,10 @@ compiles at most len(LENGTHS) graphs per batch size and capacity (capacities are
 
 The compiled forward is swapped in as `model.forward` for the call only (the instance dict, as `_packed.py`
 swaps its layers), so the model's own hooks (a probe session's step hooks) still run around it. Forwards whose
-taps publish (a feature-fed drafter reading the bus) run eagerly on the same cache: their rows must be exactly
-the real ones. Weights are read from the module on every call (no freezing), so a fine-tuned model stays right.
+taps publish (a feature-fed drafter reading the bus) run graphs with the taps in them, unpadded (their rows must
+be exactly the real ones), of the lengths `warm` compiled; others, and the prefill, run eagerly on the same
+cache. The linear layers run over weights packed once (`_packed.packed_linear`), refreshed when they change; no
+Inductor freezing, so a fine-tuned model stays right.
 """
 
 from __future__ import annotations

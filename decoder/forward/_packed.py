@@ -106,45 +106,37 @@ class PackedLinears:
         """The packed weights for a compiled forward: each layer's forward calls `packed_linear`, an op the graph
         keeps as a call. The numbers are fixed per layer, so every compiled forward of the model traces the same
         graph; `refresh` (weights that changed) updates what they name."""
-        if torch.is_grad_enabled():
+        with self._swapped(lambda i, layer: _traced_forward(layer, _NUMBERS[layer])):
             yield
-            return
-        if self._packed[0] is None:
-            self.refresh()
-        swapped = []
-        for layer in self.layers:
-            own = layer.__dict__
-            if "forward" in own or layer._forward_hooks or layer._forward_pre_hooks:
-                continue  # someone else's tap or hook: as it is
-            own["forward"] = _traced_forward(layer, _NUMBERS[layer])
-            swapped.append(own)
-        try:
-            yield
-        finally:
-            for own in swapped:
-                del own["forward"]
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """The packed weights for the forwards inside (those of fp32 activations of shape [batch, len, in]), and
         the target's attention reading grouped K/V heads in place (`_attention.py`)."""
+        with (self._swapped(lambda i, layer: self._packed[i][1]) as on,
+              gqa_attention(self.config) if on else contextlib.nullcontext()):
+            yield
+
+    @contextlib.contextmanager
+    def _swapped(self, forward_of: Callable[[int, nn.Linear], Callable]) -> Iterator[bool]:
+        """Each layer's forward replaced by `forward_of(index, layer)` for the forwards inside, packed first if
+        never yet; yields False (nothing replaced) in a forward that needs gradients."""
         if torch.is_grad_enabled():
-            yield  # a forward that needs gradients: as it is
+            yield False  # a forward that needs gradients: as it is
             return
         if self._packed[0] is None:
             self.refresh()
         swapped = []
-        for layer, (_, forward) in zip(self.layers, self._packed, strict=True):
+        for i, layer in enumerate(self.layers):
             own = layer.__dict__
             if "forward" in own or layer._forward_hooks or layer._forward_pre_hooks:
                 continue  # someone else's tap or hook (a probe on `logits`): as it is
             # the instance dict itself: nn.Module.__setattr__ is slower
             # (measured: docs/design.md, "Decoder: measurements behind the code")
-            own["forward"] = forward
+            own["forward"] = forward_of(i, layer)
             swapped.append(own)
         try:
-            with gqa_attention(self.config):
-                yield
+            yield True
         finally:
             for own in swapped:
                 del own["forward"]

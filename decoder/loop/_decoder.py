@@ -182,8 +182,8 @@ class SpeculativeDecoder:
         if self.target.packed is not None:
             t_pack = time.perf_counter()
             self.target.packed.refresh()  # weights changed since the last call are packed again
-            if self.target.compiled is not None:
-                self.target.compiled.refresh()  # (the compiled forwards' packed copies too)
+            if self.target.compiled is not None and self.target.compiled.packed is not self.target.packed:
+                self.target.compiled.refresh()  # (the compiled forwards' packed copies too, where apart)
             run.setup_s += time.perf_counter() - t_pack  # (the first call's packing is not what drafting costs)
         try:
             self.prefill(run)

@@ -36,9 +36,12 @@ class Target:
     def __init__(self, model: nn.Module, packed: str, session: object | None, compiled: bool = False) -> None:
         self.model = model
         self.cache_kw = cache_kw(model.forward)  # how this transformers release names the KV cache (`_compat.py`)
-        self.packed = PackedLinears.of(model, packed)  # verify forwards' linear layers, packed once
         # the forwards compiled over a static cache (`_compiled.py`), or None: eager over a GrowingCache
         self.compiled = CompiledForward.of(model) if compiled else None
+        self.packed = PackedLinears.of(model, packed)  # verify forwards' linear layers, packed once
+        shared = self.compiled.packed if self.compiled is not None else None
+        if shared is not None and self.packed is not None and shared.kind == self.packed.kind:
+            self.packed = shared  # the compiled forwards' packed copies serve the eager ones (no second copy)
         self.session = session  # a probe.Session on the model drafters' feature sites, or None
         self.capturing = True
         self.toggle_s = 2e-3  # seconds to pause or resume the probes, measured as it happens (from a high guess)
