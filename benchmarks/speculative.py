@@ -18,7 +18,10 @@ Methods (`--methods`, default: the three baselines, HF prompt lookup, n-gram, EA
 `HF assisted` (transformers' assistant_model with the shipped draft model, batch 1), `n-gram`, `EAGLE-3`,
 `EAGLE-3 tree`, `Medusa`, `Medusa tree`, `MTP`, `MTP attn` (DeepSeek-V3's block with attention), `clustered`,
 `DSpark`, `draft model`, `layer skip`, `auto`, `auto, several` (the scheduler choosing per round among EAGLE-3,
-MTP, clustered MTP, DSpark and n-gram); `all` runs every one. Chains draft a fixed k; trees choose their node
+MTP, clustered MTP, DSpark and n-gram), `EAGLE-3 scheduled`, `Medusa scheduled`, `MTP scheduled` (one model
+drafter under the round scheduler, as `probebus generate --drafter default|medusa|mtp` runs it without --fixed);
+`all` runs every one. "x loop" is a method's speedup over `loop, no drafter` in the same repeat (when it runs):
+what drafting itself gains. Chains draft a fixed k; trees choose their node
 count per round from the measured cost curve.
 
 Sets (benchmarks/prompts/*.jsonl, see benchmarks/_prompt_sets.py): held-out stdlib files,
@@ -81,7 +84,7 @@ NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "MTP attn": 
 ALL = ["plain", "HF compiled", "loop, no drafter", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3",
        "EAGLE-3 tree", "Medusa", "Medusa tree",
        "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several",
-       "loop compiled, no drafter", "auto compiled"]
+       "loop compiled, no drafter", "auto compiled", "EAGLE-3 scheduled", "Medusa scheduled", "MTP scheduled"]
 # A/B runs, named, never in 'all': the packed weights (LM head only, none), and n-gram trees (loop/_ngram_tree.py)
 AB = ["plain, inference mode",  # `generate` under the decoder's inference mode: what the mode alone is worth
       "n-gram, packed=head", "auto, packed=head", "n-gram, packed=none", "auto, packed=none", "n-gram tree",
@@ -96,6 +99,10 @@ BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # b
 
 
 def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr: str | None):
+    if name.endswith(" scheduled") and name != "n-gram scheduled":  # one model drafter, the round scheduler
+        base = name.removesuffix(" scheduled")  # (what `probebus generate --drafter NAME` runs without --fixed)
+        d = drafter if base == "EAGLE-3" else load_named_drafter(NAMED[base], model)
+        return SpeculativeDecoder(model, d, k=k, cost=cost)
     if name in NAMED:
         d = drafter if name == "EAGLE-3 tree" else load_named_drafter(NAMED[name], model)
         return SpeculativeDecoder(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
@@ -308,18 +315,22 @@ def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float
     print(f"\n{name}, batch {batch}, T={temp:g}: {len(prompts)} prompts x {args.new_tokens} tokens, "
           f"{args.repeats} interleaved repeats, median [range]")
     three = [m for m in THREE if m in runs]
+    loop = "loop, no drafter" if "loop, no drafter" in runs else None
     print(f"  {'method':17s} {'tok/s':>7s} {'[range]':>15s} {'speedup':>8s} {'[range]':>13s} {'x best':>7s} "
-          f"{'tau':>5s} {'tok/fwd':>7s} {'same':>6s} {'draft/verify ms per round':>26s}")
+          f"{'x loop':>7s} {'tau':>5s} {'tok/fwd':>7s} {'same':>6s} {'draft/verify ms per round':>26s}")
     for m in methods:
         rs = runs[m]
         tps = [r["tokens"] / r["seconds"] for r in rs]
         sp = [p["seconds"] / r["seconds"] for p, r in zip(runs["plain"], rs, strict=True)]
         best = [min(runs[b][i]["seconds"] for b in three) / r["seconds"] for i, r in enumerate(rs)]
+        # x loop: against the loop's own plain decoding, nothing drafted (what drafting itself gains), same repeat
+        xl = f"{statistics.median(runs[loop][i]['seconds'] / r['seconds'] for i, r in enumerate(rs)):6.2f}x" \
+            if loop else "-"
         tau = f"{rs[0]['tau']:.2f}" if rs[0]["tau"] is not None else "-"
         same = sum(a == b for a, b in zip(rs[0]["outs"], ref, strict=True)) if temp == 0 else None
         print(f"  {m:17s} {statistics.median(tps):7.1f} {f'[{min(tps):.1f}-{max(tps):.1f}]':>15s} "
               f"{statistics.median(sp):7.2f}x {f'[{min(sp):.2f}-{max(sp):.2f}]':>13s} "
-              f"{statistics.median(best):6.2f}x {tau:>5s} "
+              f"{statistics.median(best):6.2f}x {xl:>7s} {tau:>5s} "
               f"{rs[0]['tokens'] / max(rs[0]['forwards'] * batch, 1):7.2f} "
               f"{'-' if same is None else f'{same}/{len(ref)}':>6s} {per_round(rs[0]['stats']):>26s}")
     if not args.no_oracle:

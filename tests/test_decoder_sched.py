@@ -158,6 +158,13 @@ def test_calls_where_drafting_does_not_pay_run_as_plain_decoding(tmp_path: Path,
     assert not seeded.stats.delegated and torch.equal(seeded.sequences, want)  # a seed: nothing measured decides
     fixed = SpeculativeDecoder(model, NgramDrafter(), k=3, schedule="fixed", cost=spec.cost)
     assert not fixed.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD).stats.delegated
+    # greedy at batch 1 on CPU the rounds alone choose: measured faster, plain decoding still gets no whole call
+    one = spec.path_key(1, 0.0)
+    spec.cost.paths.observe(one, "spec", 100.0, 96)
+    spec.cost.paths.observe(one, "plain", 200.0, 96)
+    single = spec.generate(ids[1:], mask[1:], max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
+    assert not single.stats.delegated and single.stats.path == "spec" and single.stats.drafted > 0
+    assert torch.equal(single.sequences, want[1:])
     # sampled too: top_k=1 makes the sample the argmax, so the output must still be greedy `generate`'s, EOS and
     # padding included
     from decoder.loop import _plain as _handover
@@ -285,6 +292,27 @@ def test_asking_eagle_is_learnt_per_band_of_what_ngram_offers() -> None:
     assert sc.rest == 0 and sc.consult_model(none)
     sc.new_call()  # a new call asks again at most one backoff period later, in every band
     assert sc.wait[strong] <= sc.backoff[strong] - 1 and sc.wait[none] == 0
+
+
+def test_a_new_call_asks_a_backed_off_drafter_again_within_a_few_rounds() -> None:
+    """One prompt whose consults all lost backs the drafter off to MAX_BACKOFF rounds; the next call (another prompt)
+    starts at most CALL_BACKOFF rounds into it, with the earlier calls' verdict weighed half, and one consult that
+    pays brings it back to every round."""
+    from decoder.schedule._sched import Scheduler
+
+    sc = Scheduler(4)
+    while sc.backoff[0] < Scheduler.MAX_BACKOFF:
+        if sc.consult_model(0):
+            sc.consulted(-1.0, 0)
+    assert sc.backoff[0] == Scheduler.MAX_BACKOFF > Scheduler.CALL_BACKOFF
+    before = sc.net[0]
+    sc.new_call()
+    rounds = 1
+    while not sc.consult_model(0):
+        rounds += 1
+    assert rounds <= Scheduler.CALL_BACKOFF and sc.net[0] == 0.5 * before < 0
+    sc.consulted(+2.0, 0)  # (0.5 * -0.5 + 0.5 * 2.0 > 0)
+    assert sc.backoff[0] == 1 and sc.consult_model(0)
 
 
 @pytest.mark.parametrize("where", ["generate", "loop"])

@@ -169,7 +169,8 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         key = self.path_key(input_ids.shape[0], temperature)
         auto = not self.sched.fixed and seed is None and self.has_drafter
-        path = self.cost.paths.pick(key, self._paths(input_ids.shape[0], temperature)) if auto else "spec"
+        whole = auto and self._chooses_calls(input_ids.shape[0], temperature)
+        path = self.cost.paths.pick(key, self._paths(input_ids.shape[0], temperature)) if whole else "spec"
         plain = path == "plain"
         if plain and not loop_plain(self.target.device):
             out = plain_call(self.target, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
@@ -202,6 +203,17 @@ class SpeculativeDecoder:
             seconds -= run.setup_s
             self.cost.paths.observe(key, path, tokens / max(seconds, 1e-9), tokens)
         return SpecOutput(run.sequences(pad_token_id), run.stats)
+
+    def _chooses_calls(self, batch: int, temperature: float) -> bool:
+        """Whether whole calls choose their path (`PathChoice`) before the rounds choose theirs. Not a greedy call
+        at batch 1 whose plain path is the loop's own plain rounds (`loop_plain`): there the rounds already take
+        plain steps where drafting does not pay, so the calls a whole-call choice spends on plain decoding or on
+        re-measuring (acceptance differs widely between prompts) were only lost; measured on CPU with EAGLE-3 and
+        n-gram, 24 calls per set, both rules in one process: 1.65x / 1.41x / 1.37x the plain loop on stdlib /
+        third-party code / prose against 1.54x / 1.34x / 1.39x (docs/design.md, "Decoder: measurements behind the
+        code"). Sampled calls (whose drafts are rarely accepted here), batches, and `generate` as the plain path
+        keep the choice."""
+        return not (temperature == 0 and batch == 1 and loop_plain(self.target.device))
 
     def _paths(self, batch: int, temperature: float) -> tuple[str, ...]:
         """The paths a call may take (`PathChoice`). A sampled call at batch 1 with a model drafter and n-gram

@@ -210,6 +210,12 @@ class Scheduler:
     the n-gram's expected accepted drafts in bands (`context`), and each context learns on its own."""
 
     MAX_BACKOFF = 64
+    # A new call starts at most this far into a backoff: whether consulting pays differs more between prompts than
+    # between rounds of one. Kept across calls, one prompt whose drafts were all rejected backed EAGLE-3 (alone,
+    # scheduled) off to 64 rounds for the calls after it; each of their rare consults then lost again (a consult's
+    # fixed costs, the drafter's catch-up and the bus, against one or two drafts), so the later calls drafted
+    # almost nothing where a fixed k ran 1.25x the plain loop (third-party code: 5 of 24 calls drafting).
+    CALL_BACKOFF = 4
     BANDS = (0.5, 1.5)  # expected accepted n-gram drafts of the round's slowest row: < 0.5, < 1.5, more
 
     def __init__(self, k: int, *, fixed: bool = False) -> None:
@@ -238,8 +244,10 @@ class Scheduler:
         return min(self.wait)
 
     def new_call(self) -> None:
-        """A new generate call keeps what earlier calls learned about whether consulting pays, but waits at most
-        one backoff period before asking again."""
+        """A new generate call keeps what earlier calls learned about whether consulting pays, weighed half (another
+        prompt), and starts at most CALL_BACKOFF rounds into its backoff."""
+        self.net = [0.5 * net for net in self.net]
+        self.backoff = [min(b, self.CALL_BACKOFF) for b in self.backoff]
         self.wait = [0 if net > 0 else min(w, b - 1) for net, w, b in zip(self.net, self.wait, self.backoff,
                                                                              strict=True)]
 
