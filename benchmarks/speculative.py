@@ -44,10 +44,12 @@ printed next to the scheduler's run timed on that same clock.
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -60,6 +62,7 @@ from decoder import NgramDrafter, RemoteEagle, SpeculativeDecoder, load_drafter,
 from decoder.forward._compiled import CompiledForward  # noqa: E402
 from decoder.loop import AUTO_K, FIXED_K, oracle_bound, simulated_seconds  # noqa: E402
 from decoder.schedule import CostModel, PathChoice  # noqa: E402
+from decoder.schedule._sched import Scheduler  # noqa: E402
 from probebus._load import load_model  # noqa: E402
 
 
@@ -89,7 +92,10 @@ ALL = ["plain", "HF compiled", "loop, no drafter", "HF prompt lookup", "HF assis
 AB = ["plain, inference mode",  # `generate` under the decoder's inference mode: what the mode alone is worth
       "n-gram, packed=head", "auto, packed=head", "n-gram, packed=none", "auto, packed=none", "n-gram tree",
       "n-gram scheduled", "auto, chains",
-      "auto, other drafter", "EAGLE-3, other drafter"]  # the drafter of --other-drafter (an A/B of two heads)
+      "auto, other drafter", "EAGLE-3, other drafter",  # the drafter of --other-drafter (an A/B of two heads)
+      # the rules before 2026-12-07: greedy batch-1 calls chosen whole too (`PathChoice`), and a new call waiting
+      # out the backoff an earlier call left (up to 64 rounds)
+      "auto, whole calls", "EAGLE-3 scheduled, whole calls", "EAGLE-3 scheduled, call backoff 64"]
 DEFAULT = ["plain", "HF compiled", "loop, no drafter", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
 THREE = ("plain", "HF compiled", "loop, no drafter")  # the baselines "x best" divides by (those run)
 OTHER: dict = {}  # "drafter": the head --other-drafter names, loaded once
@@ -99,6 +105,17 @@ BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # b
 
 
 def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr: str | None):
+    if name.endswith((", whole calls", ", call backoff 64")):  # A/B of the earlier rules, each its own paths
+        spec = make(name.split(",")[0], model, drafter, cost, k, remote_addr)
+        spec.cost = copy.copy(cost)
+        spec.cost.paths = PathChoice()  # (a window of its own: the decoder of the current rule shares the key)
+        if name.endswith("whole calls"):
+            spec._chooses_calls = lambda batch, temperature: True
+        else:
+            for sc in spec.drafters.scheds:
+                sc.CALL_BACKOFF = Scheduler.MAX_BACKOFF
+                sc.new_call = types.MethodType(_old_new_call, sc)
+        return spec
     if name.endswith(" scheduled") and name != "n-gram scheduled":  # one model drafter, the round scheduler
         base = name.removesuffix(" scheduled")  # (what `probebus generate --drafter NAME` runs without --fixed)
         d = drafter if base == "EAGLE-3" else load_named_drafter(NAMED[base], model)
@@ -143,6 +160,11 @@ def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr:
         several = [drafter] + [load_named_drafter(n, model) for n in ("mtp", "clustered", "dspark")]
         return SpeculativeDecoder(model, "auto", model_drafter=several, k=k, cost=cost)
     raise ValueError(name)
+
+
+def _old_new_call(sc: Scheduler) -> None:
+    """Scheduler.new_call before 2026-12-07: the wait left by earlier calls kept, the verdict unweighed."""
+    sc.wait = [0 if net > 0 else min(w, b - 1) for net, w, b in zip(sc.net, sc.wait, sc.backoff, strict=True)]
 
 
 class Runner:

@@ -208,11 +208,10 @@ class SpeculativeDecoder:
         """Whether whole calls choose their path (`PathChoice`) before the rounds choose theirs. Not a greedy call
         at batch 1 whose plain path is the loop's own plain rounds (`loop_plain`): there the rounds already take
         plain steps where drafting does not pay, so the calls a whole-call choice spends on plain decoding or on
-        re-measuring (acceptance differs widely between prompts) were only lost; measured on CPU with EAGLE-3 and
-        n-gram, 24 calls per set, both rules in one process: 1.65x / 1.41x / 1.37x the plain loop on stdlib /
-        third-party code / prose against 1.54x / 1.34x / 1.39x (docs/design.md, "Decoder: measurements behind the
-        code"). Sampled calls (whose drafts are rarely accepted here), batches, and `generate` as the plain path
-        keep the choice."""
+        re-measuring (acceptance differs widely between prompts) were mostly lost: `auto` on CPU, both rules in
+        one run, 1.49x / 1.57x / 1.48x the plain loop on stdlib / third-party code / prose against 1.50x / 1.51x /
+        1.41x (docs/benchmarks.md, "The scheduler's give-up"). Sampled calls (whose drafts are rarely accepted
+        here), batches, and `generate` as the plain path keep the choice."""
         return not (temperature == 0 and batch == 1 and loop_plain(self.target.device))
 
     def _paths(self, batch: int, temperature: float) -> tuple[str, ...]:
