@@ -95,7 +95,8 @@ AB = ["plain, inference mode",  # `generate` under the decoder's inference mode:
       "auto, other drafter", "EAGLE-3, other drafter",  # the drafter of --other-drafter (an A/B of two heads)
       # the rules before 2026-12-07: greedy batch-1 calls chosen whole too (`PathChoice`), and a new call waiting
       # out the backoff an earlier call left (up to 64 rounds)
-      "auto, whole calls", "EAGLE-3 scheduled, whole calls", "EAGLE-3 scheduled, call backoff 64"]
+      "auto, whole calls", "EAGLE-3 scheduled, whole calls", "EAGLE-3 scheduled, call backoff 64",
+      "auto, call backoff 64"]
 DEFAULT = ["plain", "HF compiled", "loop, no drafter", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
 THREE = ("plain", "HF compiled", "loop, no drafter")  # the baselines "x best" divides by (those run)
 OTHER: dict = {}  # "drafter": the head --other-drafter names, loaded once
