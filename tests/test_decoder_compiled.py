@@ -105,3 +105,23 @@ def test_compiled_loop_follows_weights_changed_between_calls(model: torch.nn.Mod
     finally:
         head.weight.data = kept
     assert_same_or_near_tie(model, out.sequences, want, mask)
+
+
+def test_a_model_with_compiled_forwards_is_freed_and_copies_compile_their_own() -> None:
+    """One CompiledForward per model, kept on the model: dropping the model frees both (a weak map keyed by the model,
+    whose value held it, never let a model go); a deep copy, or the model saved and loaded, compiles its own."""
+    import copy
+    import gc
+    import weakref
+
+    model = build("llama", layers=2)
+    fwd = CompiledForward.of(model)
+    assert CompiledForward.of(model) is fwd
+    with torch.inference_mode():
+        fwd(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], None, fwd.new_cache(1, 8), "cache", compiled=False)
+    twin = copy.deepcopy(model)
+    assert CompiledForward.of(twin) not in (None, fwd) and CompiledForward.of(twin).model is twin
+    gone = weakref.ref(model)
+    del model, fwd
+    gc.collect()
+    assert gone() is None

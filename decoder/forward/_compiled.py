@@ -28,7 +28,6 @@ Inductor freezing, so a fine-tuned model stays right.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 
 import torch
@@ -45,7 +44,7 @@ CAPACITY_STEP = 256  # cache capacities are multiples of this (each capacity is 
 RECOMPILE_LIMIT = 64  # Dynamo's graphs per code object: LENGTHS x batch sizes x capacities must fit
 
 
-_OF_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its CompiledForward
+_ATTR = "_probebus_compiled_forward"  # a model's CompiledForward, in its __dict__ (see `CompiledForward.of`)
 
 
 def bucket(length: int) -> int | None:
@@ -179,15 +178,24 @@ class CompiledForward:
             cache.crop(-n)
         cache.crop(-cache.get_seq_length())
 
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of the model (`copy.deepcopy`) compiles its own forwards when it needs them
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()  # nor is it saved with the model (`torch.save(model)`, pickle): it loads as None
+
     @classmethod
     def of(cls, model: nn.Module) -> CompiledForward | None:
         """The model's (one per model: every decoder of it shares the caches, so the graphs compiled for their
         buffers), or None where the model cannot use a static cache (transformers: `_can_compile_fullgraph`)."""
         if not getattr(model, "_can_compile_fullgraph", False):
             return None
-        own = _OF_MODEL.get(model)
+        # Kept on the model, not in a weak map keyed by it: it holds the model (its compiled forward is bound to
+        # it), so a map's entry never let the model go; a reference cycle with the model is freed with it.
+        own = model.__dict__.get(_ATTR)
         if own is None:
-            own = _OF_MODEL[model] = cls(model)
+            own = cls(model)
+            model.__dict__[_ATTR] = own
         return own
 
     def refresh(self) -> None:
