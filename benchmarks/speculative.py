@@ -96,7 +96,7 @@ AB = ["plain, inference mode",  # `generate` under the decoder's inference mode:
       # the rules before 2026-12-07: greedy batch-1 calls chosen whole too (`PathChoice`), and a new call waiting
       # out the backoff an earlier call left (up to 64 rounds)
       "auto, whole calls", "EAGLE-3 scheduled, whole calls", "EAGLE-3 scheduled, call backoff 64",
-      "auto, call backoff 64"]
+      "auto, call backoff 64", "auto, verdict 0.5", "EAGLE-3 scheduled, verdict 0.5"]  # (before: VERDICT_KEEP 0.5)
 DEFAULT = ["plain", "HF compiled", "loop, no drafter", "HF prompt lookup", "n-gram", "EAGLE-3", "auto"]
 THREE = ("plain", "HF compiled", "loop, no drafter")  # the baselines "x best" divides by (those run)
 OTHER: dict = {}  # "drafter": the head --other-drafter names, loaded once
@@ -106,12 +106,15 @@ BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # b
 
 
 def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr: str | None):
-    if name.endswith((", whole calls", ", call backoff 64")):  # A/B of the earlier rules, each its own paths
+    if name.endswith((", whole calls", ", call backoff 64", ", verdict 0.5")):  # A/B of earlier rules (own paths)
         spec = make(name.split(",")[0], model, drafter, cost, k, remote_addr)
         spec.cost = copy.copy(cost)
         spec.cost.paths = PathChoice()  # (a window of its own: the decoder of the current rule shares the key)
         if name.endswith("whole calls"):
             spec._chooses_calls = lambda batch, temperature: True
+        elif name.endswith("verdict 0.5"):
+            for sc in spec.drafters.scheds:
+                sc.VERDICT_KEEP = 0.5
         else:
             for sc in spec.drafters.scheds:
                 sc.CALL_BACKOFF = Scheduler.MAX_BACKOFF

@@ -311,7 +311,7 @@ def test_a_new_call_asks_a_backed_off_drafter_again_within_a_few_rounds() -> Non
     while not sc.consult_model(0):
         rounds += 1
     assert rounds <= Scheduler.CALL_BACKOFF and sc.net[0] == 0.5 * before < 0
-    sc.consulted(+2.0, 0)  # (0.5 * -0.5 + 0.5 * 2.0 > 0)
+    sc.consulted(+4.0, 0)  # (a consult that pays well outweighs the halved verdict)
     assert sc.backoff[0] == 1 and sc.consult_model(0)
 
 

@@ -216,6 +216,10 @@ class Scheduler:
     # fixed costs, the drafter's catch-up and the bus, against one or two drafts), so the later calls drafted
     # almost nothing where a fixed k ran 1.25x the plain loop (third-party code: 5 of 24 calls drafting).
     CALL_BACKOFF = 4
+    # Each consult's verdict moves the running one by 1 - VERDICT_KEEP. A consult's net swings with the round (its
+    # drafts' confidence; one draft or five), so at 0.5 two low-confidence rounds backed EAGLE-3 off through the
+    # good ones after them; A/B in docs/benchmarks.md ("The scheduler's give-up").
+    VERDICT_KEEP = 0.8
     BANDS = (0.5, 1.5)  # expected accepted n-gram drafts of the round's slowest row: < 0.5, < 1.5, more
 
     def __init__(self, k: int, *, fixed: bool = False) -> None:
@@ -260,7 +264,7 @@ class Scheduler:
     def consulted(self, net: float, ctx: int = 0) -> None:
         """After a consult: `net` = tokens the round gained from the model drafter's drafts minus what its time would
         have earned. While that pays on average, ask every round; otherwise back off exponentially."""
-        self.net[ctx] = 0.5 * self.net[ctx] + 0.5 * net
+        self.net[ctx] = self.VERDICT_KEEP * self.net[ctx] + (1.0 - self.VERDICT_KEEP) * net
         self.backoff[ctx] = 1 if self.net[ctx] > 0 else min(2 * self.backoff[ctx], self.MAX_BACKOFF)
         self.wait[ctx] = self.backoff[ctx] - 1
 
