@@ -49,7 +49,6 @@ import platform
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -115,10 +114,9 @@ def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr:
         elif name.endswith("verdict 0.5"):
             for sc in spec.drafters.scheds:
                 sc.VERDICT_KEEP = 0.5
-        else:
+        else:  # a new call kept the wait and the verdict earlier calls left
             for sc in spec.drafters.scheds:
-                sc.CALL_BACKOFF = Scheduler.MAX_BACKOFF
-                sc.new_call = types.MethodType(_old_new_call, sc)
+                sc.CALL_BACKOFF, sc.CALL_KEEP = Scheduler.MAX_BACKOFF, 1.0
         return spec
     if name.endswith(" scheduled") and name != "n-gram scheduled":  # one model drafter, the round scheduler
         base = name.removesuffix(" scheduled")  # (what `probebus generate --drafter NAME` runs without --fixed)
@@ -164,11 +162,6 @@ def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr:
         several = [drafter] + [load_named_drafter(n, model) for n in ("mtp", "clustered", "dspark")]
         return SpeculativeDecoder(model, "auto", model_drafter=several, k=k, cost=cost)
     raise ValueError(name)
-
-
-def _old_new_call(sc: Scheduler) -> None:
-    """Scheduler.new_call before 2026-12-07: the wait left by earlier calls kept, the verdict unweighed."""
-    sc.wait = [0 if net > 0 else min(w, b - 1) for net, w, b in zip(sc.net, sc.wait, sc.backoff, strict=True)]
 
 
 class Runner:

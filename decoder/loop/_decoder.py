@@ -245,16 +245,9 @@ class SpeculativeDecoder:
                                               static=not binds)
             if not binds:  # the graphs this call may run, compiled before it starts (not what drafting costs)
                 t_warm = time.perf_counter()
-                self.target.capture(False)  # the compiled forwards are the ones without taps (`Target.forward`)
                 longest = [self.k + 1, self.ngram_tree + 1, self.tree + 1] if drafting and self.has_drafter else []
-                lengths = [1, *range(2, max(longest, default=1) + 1)]
-                self.target.compiled.warm(run.b, run.cache.capacity, lengths, self.target.cache_kw)
-                if run.model_drafters and self.session is not None:  # the graphs with the drafters' taps in them
-                    self.target.capture(True)
-                    with self.target.quiet(run, reads_features=False):  # (their captures marked invalid)
-                        self.target.compiled.warm(run.b, run.cache.capacity, lengths[: self.k + 1],
-                                                  self.target.cache_kw, pad=False)
-                    self.target.capture(False)
+                self.target.warm(run, [1, *range(2, max(longest, default=1) + 1)],
+                                 tapped=self.k + 1 if run.model_drafters else 0)  # (chains the drafters read)
                 run.setup_s += time.perf_counter() - t_warm
         for sc in run.scheds:
             sc.new_call()

@@ -69,6 +69,18 @@ class Target:
             return self.compiled.new_cache(batch, columns)
         return GrowingCache(capacity=columns + 64)  # a tree's nodes fit too (`forward/_kv.py`)
 
+    def warm(self, run: Run, lengths: list[int], tapped: int) -> None:
+        """Compile the graphs a call on its static cache may run, before its first round (a round would otherwise
+        pay a compile, and judge drafting by it): `lengths` without taps (the probes off, as `forward` runs them),
+        and with a probe session the first `tapped` of them with the taps in (their captures marked invalid)."""
+        self.capture(False)
+        self.compiled.warm(run.b, run.cache.capacity, lengths, self.cache_kw)
+        if tapped and self.session is not None:
+            self.capture(True)
+            with self.quiet(run, reads_features=False):
+                self.compiled.warm(run.b, run.cache.capacity, lengths[:tapped], self.cache_kw, pad=False)
+            self.capture(False)
+
     def forward(self, run: Run, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 phase: str = "verify", labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, L, V] of one forward on the call's cache. `labels`: the positions the probes publish

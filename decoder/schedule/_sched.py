@@ -216,6 +216,7 @@ class Scheduler:
     # fixed costs, the drafter's catch-up and the bus, against one or two drafts), so the later calls drafted
     # almost nothing where a fixed k ran 1.25x the plain loop (third-party code: 5 of 24 calls drafting).
     CALL_BACKOFF = 4
+    CALL_KEEP = 0.5  # ...and weighs the verdict of earlier calls (other prompts) by this
     # Each consult's verdict moves the running one by 1 - VERDICT_KEEP. A consult's net swings with the round (its
     # drafts' confidence; one draft or five), so at 0.5 two low-confidence rounds backed EAGLE-3 off through the
     # good ones after them; A/B in docs/benchmarks.md ("The scheduler's give-up").
@@ -248,9 +249,9 @@ class Scheduler:
         return min(self.wait)
 
     def new_call(self) -> None:
-        """A new generate call keeps what earlier calls learned about whether consulting pays, weighed half (another
-        prompt), and starts at most CALL_BACKOFF rounds into its backoff."""
-        self.net = [0.5 * net for net in self.net]
+        """A new generate call keeps what earlier calls learned about whether consulting pays, weighed by CALL_KEEP
+        (another prompt), and starts at most CALL_BACKOFF rounds into its backoff."""
+        self.net = [self.CALL_KEEP * net for net in self.net]
         self.backoff = [min(b, self.CALL_BACKOFF) for b in self.backoff]
         self.wait = [0 if net > 0 else min(w, b - 1) for net, w, b in zip(self.net, self.wait, self.backoff,
                                                                              strict=True)]
