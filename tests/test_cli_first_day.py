@@ -124,7 +124,8 @@ def test_a_subscriber_takes_loose_patterns_too() -> None:
 def test_tables_are_not_clipped_when_stdout_is_not_a_terminal(tmp_path: Path) -> None:
     """Piped (a log, CI, tee): rich's 80 columns wrapped the summary's rows; every row stays on one line."""
     r = _probebus("record", "--model", "default", "--prompt", "import os\n", "--max-new-tokens", "3", "--sites",
-                  "layers.0.resid_post", "--out", str(tmp_path / "rec"), cwd=tmp_path)
+                  "layers.0.resid_post", "--out", str(tmp_path / "rec"), cwd=tmp_path, COLUMNS="")  # (pytest-xdist's
+    # workers have COLUMNS set, which wins over the pipe's width)
     assert r.returncode == 0, r.stderr
     lost = [ln for ln in r.stderr.splitlines() if "lost" in ln]
     assert len(lost) == 1 and "malformed frames ignored)" in lost[0], r.stderr
