@@ -209,8 +209,10 @@ class Hooks:
                 self.active.add(site)
         else:
             for site in names:
+                if site in self.active:  # added back since this removal was queued (`change`): its tap stays
+                    continue
                 h = self._handles.pop(site, None)
-                if h is not None and site not in self.active:
+                if h is not None:
                     h.remove()  # type: ignore[attr-defined]
                     self._staged += self._slots.pop(site, ())  # (a forward that raised may have left some)
         if self._handles and not self._top:

@@ -454,6 +454,32 @@ def test_a_filtered_subscriber_receives_its_sites_while_another_takes_everything
     assert filtered.stats.missed == everything.stats.missed == 0 and filtered.stats.filtered == 0
 
 
+def test_a_site_removed_from_another_thread_then_added_back_keeps_its_tap_until_close() -> None:
+    """A removal from another thread waits for the next step; a re-add on the model's thread before then applies at
+    once. The queued removal must not then drop the tap from the session's books while leaving it on the module:
+    the site stopped capturing (its step hooks went with the last tap the session knew of), and `close()` left the
+    tap behind."""
+    model = build("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    site = "layers.0.resid_post"
+    with probe.attach(model, site) as session:
+        n = tapped(model)  # the site's tap and the model's step hooks
+        with torch.no_grad():
+            model(ids)  # the session learns the model's thread
+        t = threading.Thread(target=session.remove, args=(site,))
+        t.start()
+        t.join()
+        session.add(site)
+        before = session.stats.captured
+        with torch.no_grad():
+            model(ids)  # applies the queued removal
+            model(ids)
+        assert session.sites == [site]
+        assert session.stats.captured == before + 2  # one capture a forward, as before the remove
+        assert tapped(model) == n
+    assert tapped(model) == 0
+
+
 def test_adding_a_tapped_site_again_keeps_one_tap() -> None:
     model = build("llama")
     with probe.attach(model, "layers.*.resid_post") as session:
