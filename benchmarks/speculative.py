@@ -105,10 +105,19 @@ BATCH1 = ("HF prompt lookup", "HF assisted", "EAGLE-3 tree", "Medusa tree")  # b
 
 
 def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr: str | None):
-    if name.endswith((", whole calls", ", call backoff 64", ", verdict 0.5")):  # A/B of earlier rules (own paths)
-        spec = make(name.split(",")[0], model, drafter, cost, k, remote_addr)
+    """The method's decoder, with a whole-call path window of its own (`PathChoice`, keyed by drafter): rows that
+    share a drafter (an A/B pair, EAGLE-3 fixed and scheduled) would otherwise choose each other's calls, as no two
+    users' processes do. The cost curve stays shared (measured once)."""
+    spec = _make(name, model, drafter, cost, k, remote_addr)
+    if spec.cost is cost:
         spec.cost = copy.copy(cost)
-        spec.cost.paths = PathChoice()  # (a window of its own: the decoder of the current rule shares the key)
+        spec.cost.paths = PathChoice()
+    return spec
+
+
+def _make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr: str | None):
+    if name.endswith((", whole calls", ", call backoff 64", ", verdict 0.5")):  # A/B of earlier rules
+        spec = _make(name.split(",")[0], model, drafter, cost, k, remote_addr)
         if name.endswith("whole calls"):
             spec._chooses_calls = lambda batch, temperature: True
         elif name.endswith("verdict 0.5"):
@@ -137,7 +146,7 @@ def make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr:
         spec.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, seed=0)
         return spec
     if name.endswith(", other drafter"):  # the same decoder as the named row with --other-drafter's head
-        return make(name.split(",")[0], model, OTHER["drafter"], cost, k, remote_addr)
+        return _make(name.split(",")[0], model, OTHER["drafter"], cost, k, remote_addr)
     if name in ("loop compiled, no drafter", "auto compiled"):  # the loop on a compiled target (forward/_compiled.py)
         if "compiled" not in OTHER:  # one curve for both, measured on the compiled forwards
             OTHER["compiled"] = CostModel.for_target(model, refresh=True, compiled=CompiledForward.of(model))
