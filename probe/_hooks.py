@@ -39,6 +39,9 @@ from ._publisher import Publisher
 from ._sites import SiteKey
 
 _TAPS = "_probebus_taps"  # a tapped module's `_Taps`, in its __dict__
+# What a tap asks to know whether Dynamo is tracing it (folded to a constant there): a global, so that Dynamo's guards
+# check it once for every tap, where a closure cell was checked once per tap (`Hooks._site_hook`)
+_compiling = torch.compiler.is_compiling
 DEFER_ROWS = 64  # steps of at most this many rows (decode steps) are captured at their end (see `Hooks`)
 
 
@@ -162,9 +165,10 @@ class Hooks:
         # What taps traced by torch.compile stage: (the site's `_compiled.number`, tensor), filled once the graph
         # has run (`_compiled.py`).
         self._staged: list[tuple[int, torch.Tensor]] = []
-        # Each traced tap's own list, gathered into `_staged` at the step's end: one list shared by every tap is one
-        # object reached through each tap's closure, which Dynamo checks with a guard in Python per tap per step.
-        self._slots: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        # Each traced tap's own list (with its site's number), gathered into `_staged` at the step's end: one list
+        # shared by every tap is one object reached through each tap's closure, which Dynamo checks with a guard in
+        # Python per tap per step.
+        self._slots: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self._keys: dict[int, SiteKey] = {}
         self._fired = 0  # captures taken in this step outside the deferred list (see `_on_step_end`)
 
@@ -204,8 +208,9 @@ class Hooks:
                 pre = point.kind == "pre"
                 index = _compiled.number(site)
                 self._keys[index] = key
-                slot = self._slots[site] = []
-                self._handles[site] = tap(point.module, self._site_hook(key, index, pre, slot), pre=pre)
+                slot: list[torch.Tensor] = []
+                self._slots[site] = (index, slot)
+                self._handles[site] = tap(point.module, self._site_hook(key, pre, slot), pre=pre)
                 self.active.add(site)
         else:
             for site in names:
@@ -214,7 +219,8 @@ class Hooks:
                 h = self._handles.pop(site, None)
                 if h is not None:
                     h.remove()  # type: ignore[attr-defined]
-                    self._staged += self._slots.pop(site, ())  # (a forward that raised may have left some)
+                    number, slot = self._slots.pop(site, (0, []))
+                    self._staged += [(number, t) for t in slot]  # (a forward that raised may have left some)
         if self._handles and not self._top:
             # Module hooks, not taps: they run in `Module.__call__`, so a `model.forward` compiled before or after
             # attach leaves the step's identity to eager code (a tap would be inside the compiled forward).
@@ -295,40 +301,51 @@ class Hooks:
             self._warn_once(repr(type(exc)), f"probebus: sending a step's captures failed: {exc!r}")
 
     def _gather(self) -> bool:
-        """Move what the traced taps staged this step into `_staged`, in the order the sites were added; True if any."""
+        """Move what the traced taps staged this step into `_staged` as (site number, tensor), in the order the
+        sites were added; True if any."""
         staged, n = self._staged, len(self._staged)
-        for slot in self._slots.values():
+        for number, slot in self._slots.values():
             if slot:
-                staged += slot
+                staged += [(number, t) for t in slot]
                 slot.clear()
         return len(staged) > n
 
-    def _site_hook(self, key: SiteKey, index: int, pre: bool, slot: list) -> Callable:
+    def _site_hook(self, key: SiteKey, pre: bool, slot: list) -> Callable:
         """The tap of one site: before its module's forward (`pre`: the tensor is its input) or after it.
 
         A closure over what it reads: between the model's layers every object a hook touches is a cache miss,
-        and a partial of a bound method touched three more than this. One closure serves both kinds (`third`
-        is the forward's kwargs before it, its output after it), so their logic cannot drift apart. Traced by
-        torch.compile, it stages the tensor in its own `slot` for the step's end instead (`_gather`, `_take_staged`,
-        `_compiled.py`)."""
-        active, name, tensor, capture = self.active, key.name, torch.Tensor, self._capture
-        compiling, staged = torch.compiler.is_compiling, slot
+        and a partial of a bound method touched three more than this. Traced by torch.compile, it stages the tensor
+        in its own `slot` for the step's end instead (`_gather`, `_take_staged`, `_compiled.py`).
 
-        def hook(module: nn.Module, args: tuple, third: object) -> None:
-            if pre:
-                t = args[0] if args else third.get("hidden_states")  # type: ignore[attr-defined]
-            else:
-                t = third[0] if isinstance(third, (tuple, list)) else third
-            if compiling():
-                # A computed number, which Dynamo's replay after the graph writes as a constant; `index` itself it
-                # reloads through the layer's forward and two closures (docs/design.md, "A tap under Dynamo")
-                staged.append((index + 0, t))
-            elif isinstance(t, tensor) and name in active:  # (as `_take_staged` takes a traced tap's tensor)
-                deferred = self._deferred
-                if deferred is not None:
-                    deferred.append((key, t, t._version))
-                else:
-                    capture(key, t)
+        What the traced branch reads, Dynamo checks before every call of the compiled forward, through the layer's
+        `forward`, its closure and this one: each object on that path is a node of its guard tree (~0.3 us each on
+        a cold step). So it reads as little as it can: a global `_compiling` (one check for every tap), its
+        `slot` (nothing else: `_gather` knows whose slot it is), and no `pre` flag (one closure per kind)
+        (docs/design.md, "A tap under Dynamo")."""
+        active, name, tensor, capture = self.active, key.name, torch.Tensor, self._capture
+        # (the eager branch is written out in both: a shared function was one more call per site per step)
+        if pre:
+            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                t = args[0] if args else kwargs.get("hidden_states")
+                if _compiling():
+                    slot.append(t)
+                elif isinstance(t, tensor) and name in active:  # (as `_take_staged` takes a traced tap's tensor)
+                    deferred = self._deferred
+                    if deferred is not None:
+                        deferred.append((key, t, t._version))
+                    else:
+                        capture(key, t)
+        else:
+            def hook(module: nn.Module, args: tuple, out: object) -> None:
+                t = out[0] if isinstance(out, (tuple, list)) else out
+                if _compiling():
+                    slot.append(t)
+                elif isinstance(t, tensor) and name in active:
+                    deferred = self._deferred
+                    if deferred is not None:
+                        deferred.append((key, t, t._version))
+                    else:
+                        capture(key, t)
         return hook
 
     def _take_staged(self) -> None:
