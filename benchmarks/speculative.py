@@ -60,8 +60,7 @@ from _prompt_sets import SETS, load_sets  # noqa: E402
 from decoder import NgramDrafter, RemoteEagle, SpeculativeDecoder, load_drafter, load_named_drafter  # noqa: E402
 from decoder.forward._compiled import CompiledForward  # noqa: E402
 from decoder.loop import AUTO_K, FIXED_K, oracle_bound, simulated_seconds  # noqa: E402
-from decoder.schedule import CostModel, PathChoice  # noqa: E402
-from decoder.schedule._sched import Scheduler  # noqa: E402
+from decoder.schedule import CostModel, PathChoice, Scheduler  # noqa: E402
 from probebus._load import load_model  # noqa: E402
 
 
