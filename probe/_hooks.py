@@ -323,29 +323,29 @@ class Hooks:
         `slot` (nothing else: `_gather` knows whose slot it is), and no `pre` flag (one closure per kind)
         (docs/design.md, "A tap under Dynamo")."""
         active, name, tensor, capture = self.active, key.name, torch.Tensor, self._capture
-        # (the eager branch is written out in both: a shared function was one more call per site per step)
+
+        def take(t: object) -> None:  # eager mode: defer to the step's end or capture now (as `_take_staged` does)
+            if isinstance(t, tensor) and name in active:
+                deferred = self._deferred
+                if deferred is not None:
+                    deferred.append((key, t, t._version))
+                else:
+                    capture(key, t)
+
         if pre:
             def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
                 t = args[0] if args else kwargs.get("hidden_states")
                 if _compiling():
                     slot.append(t)
-                elif isinstance(t, tensor) and name in active:  # (as `_take_staged` takes a traced tap's tensor)
-                    deferred = self._deferred
-                    if deferred is not None:
-                        deferred.append((key, t, t._version))
-                    else:
-                        capture(key, t)
+                else:
+                    take(t)
         else:
             def hook(module: nn.Module, args: tuple, out: object) -> None:
                 t = out[0] if isinstance(out, (tuple, list)) else out
                 if _compiling():
                     slot.append(t)
-                elif isinstance(t, tensor) and name in active:
-                    deferred = self._deferred
-                    if deferred is not None:
-                        deferred.append((key, t, t._version))
-                    else:
-                        capture(key, t)
+                else:
+                    take(t)
         return hook
 
     def _take_staged(self) -> None:
