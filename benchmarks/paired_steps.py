@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -50,32 +51,38 @@ MODES = ["a/a", "probebus", "probebus-live", "naive"]
 
 
 class Toggler(BaseStreamer):
-    """Records each decode step's wall and thread CPU time, and switches the probe for the next step between the
-    timestamps (`put` runs on the model's thread after every step)."""
+    """Records each decode step's wall and thread CPU time and the thread's minor page faults, and switches the
+    probe for the next step between the timestamps (`put` runs on the model's thread after every step)."""
 
     def __init__(self, switch, first_on: bool, block: int = 1, settle: int = 0) -> None:
         self.switch, self.state, self.block, self.settle = switch, first_on, block, settle
-        self.steps: list[tuple[bool, float, float]] = []  # (probed, wall s, cpu s) per decode step
+        self.steps: list[tuple[bool, float, float, int]] = []  # (probed, wall s, cpu s, faults) per decode step
         self._puts = 0
         self._n = 0  # decode steps since the last switch
-        self._t = (0.0, 0.0)
+        self._t = (0.0, 0.0, 0)
 
     def put(self, value: torch.Tensor) -> None:
-        wall, cpu = time.perf_counter(), time.thread_time()
+        wall, cpu, faults = time.perf_counter(), time.thread_time(), _faults()
         self._puts += 1
         if self._puts == 1:  # the prompt: the prefill follows, probed as usual
             return
         if self._puts > 2:  # a decode step just ended
             self._n += 1
             if self._n > self.settle:  # the first steps after a switch pay for the switch (see --settle)
-                self.steps.append((self.state, wall - self._t[0], cpu - self._t[1]))
+                self.steps.append((self.state, wall - self._t[0], cpu - self._t[1], faults - self._t[2]))
             if self._n == self.block:
                 self.state, self._n = not self.state, 0
         self.switch(self.state)
-        self._t = (time.perf_counter(), time.thread_time())
+        self._t = (time.perf_counter(), time.thread_time(), _faults())
 
     def end(self) -> None:
         pass
+
+
+def _faults() -> int:
+    """The calling thread's minor page faults so far: a probed step that faults in fresh heap pages (glibc
+    trimming the heap's top between steps) pays ~2-3 us a page here (docs/design.md, Memory)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def costs(steps: list[tuple[bool, float, float]], field: int) -> tuple[list[float], list[float]]:
@@ -112,6 +119,11 @@ def report(batch: int, steps: dict[str, list[list]], cycle: float | None = None)
         if cycle is not None:  # the wall cost against the whole cycle
             out.append(f"= {100 * statistics.median(diffs) / cycle:+5.2f} % of the engine's cycle")
         print(f"  {m:14s} {len(diffs):4d} steps   " + "   ".join(out))
+        if all(len(step) > 3 for s in runs for step in s):  # vllm_paired_steps' steps have no fault counts
+            on = [step[3] for s in runs for step in s if step[0]]
+            off = [step[3] for s in runs for step in s if not step[0]]
+            print(f"  {'':14s} minor page faults a step, mean: probed {statistics.mean(on):.1f}, "
+                  f"unprobed {statistics.mean(off):.1f}")
 
 
 def run(model, ids: torch.Tensor, mode: str, endpoints: dict[str, str], first_on: bool,

@@ -69,3 +69,28 @@ def test_subscriber_receives_large_frames_without_page_faults() -> None:
 def test_glibc_variables_of_the_user_win() -> None:
     applied, _ = _faults_per_capture({"MALLOC_TRIM_THRESHOLD_": "1000000"})
     assert applied == "False"  # glibc's own variables leave malloc as the user set it
+
+
+# The model's process: attach sets the same thresholds (a probed step's heap must not be trimmed between steps),
+# unless told not to. Printed from a fresh process, since the setting is process-wide and once only.
+ATTACH = textwrap.dedent("""
+    import sys, torch, probe
+    from probe import _malloc
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Identity()])
+    with probe.attach(model, "layers.0.resid_post", tune_malloc=sys.argv[1] == "1"):
+        print(_malloc._state, flush=True)
+""")
+
+
+@pytest.mark.parametrize(("arg", "env", "expected"), [
+    ("1", {}, "True"),
+    ("0", {}, "None"),  # attach(tune_malloc=False) never calls mallopt
+    ("1", {"PROBEBUS_TUNE_MALLOC": "0"}, "False"),
+    ("1", {"MALLOC_MMAP_THRESHOLD_": "1000000"}, "False"),
+])
+def test_attach_tunes_the_models_process_unless_told_not_to(arg: str, env: dict[str, str], expected: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PROBEBUS_TUNE_MALLOC" and not k.startswith("MALLOC_")} | env
+    out = subprocess.run([sys.executable, "-c", ATTACH, arg], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [expected]
