@@ -170,3 +170,51 @@ def test_soft_targets_are_the_targets_distribution_and_bring_q_closer_to_p(tmp_p
 
     soft, hard = overlap(tmp_path / "soft"), overlap(tmp_path / "hard")
     assert soft > hard + 0.05, (soft, hard)
+
+
+def test_without_prompt_labels_only_continuation_tokens_are_labels(tmp_path: Path, capsys) -> None:
+    """TrainConfig(label_prompts=False): each sequence's prompt length comes from its prefill rows (checked
+    against the tokenizer), a training window labels exactly the tokens after the prompt, and the held-out
+    report scores only chains whose drafts are continuation tokens."""
+    from decoder import TrainConfig, train_drafter
+    from decoder.training._train import _batch, _sequences
+
+    model = _target(tmp_path / "target")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "target")
+    texts = [f"def g{i}(y):\n    return y * {i}" + " + 1" * (i % 4) + "\n" for i in range(12)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    sites = "layers.2.resid_pre,layers.4.resid_pre,layers.5.resid_pre"
+    assert main(["record", "--model", str(tmp_path / "target"), "--prompts", str(prompts), "--sites", sites,
+                 "--out", str(tmp_path / "rec"), "--max-new-tokens", "24", "--batch-size", "6"]) == 0
+    capsys.readouterr()
+    seqs = _sequences(tmp_path / "rec", sites.split(","))
+    want = sorted(len(tok(t).input_ids) for t in texts)
+    assert sorted(n for _, _, n in seqs) == want and len(set(want)) > 1
+
+    # windows over sequences whose token at index i is 100 * k + i (k: which sequence): a label shows its index
+    lengths = (3, 10, 30)
+    pool = [(torch.arange(40) + 100 * k, torch.zeros(40, 3), max(0, n - 2)) for k, n in enumerate(lengths)]
+    for _ in range(20):
+        toks, _, unlabelled = _batch(pool, 6, 8, torch.Generator())
+        for row, mask in zip(toks, unlabelled, strict=True):
+            n = lengths[int(row[0]) // 100]
+            assert torch.equal(mask, row[2:] % 100 < n)  # unlabelled: exactly the prompt's tokens
+            assert not bool(mask.all())  # and never a window with nothing to learn
+
+    cfg = dict(steps=6, window=16, batch=4, draft_vocab=256, holdout=0.25)
+    full = train_drafter(model, tmp_path / "rec", tmp_path / "a", TrainConfig(**cfg), progress=False)
+    cont = train_drafter(model, tmp_path / "rec", tmp_path / "b", TrainConfig(**cfg, label_prompts=False),
+                         progress=False)
+    assert torch.isfinite(torch.tensor(cont["loss"]))
+    held = [(len(t), n) for t, _, n in seqs]
+    assert cont["heldout"]["chains"] < full["heldout"]["chains"]
+    # continuation chains are a sequence's decode rows; all chains its length - 2
+    assert cont["heldout"]["chains"] in {sum(x - n for x, n in c) for c in _subsets(held, 3)}
+    assert full["heldout"]["chains"] in {sum(x - 2 for x, _ in c) for c in _subsets(held, 3)}
+
+
+def _subsets(items: list, k: int) -> list[list]:
+    from itertools import combinations
+
+    return [list(c) for c in combinations(items, k)]

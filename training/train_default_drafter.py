@@ -1,24 +1,28 @@
 """Retrain the EAGLE-3 drafter shipped for the default model (probebus/models/default-drafter).
 
-    nice -n 10 python training/train_default_drafter.py            # record + train + evaluate (~8 min on 2 idle cores)
+    nice -n 10 python training/train_default_drafter.py            # record + train + evaluate (~45 min on 2 idle cores)
     nice -n 10 python training/train_default_drafter.py --compare /tmp/old-drafter   # also score a previous head
 
 Run it after every retrain of the default model: a drafter is trained on its target's features.
 It overwrites only the drafter's own files in the output folder (config.json,
 model.safetensors, eval.json, README.md); other files there are left alone.
 
-1. Record the target's own greedy continuations of training-split prompts (with
+1. Record the target's own greedy continuations of training-split prompts (every `def` context,
+   16 a file, and every file window: each file's top and 3 random lines, 48-256 tokens; with
    --sampled-prompts N also N continuations sampled at --temperature) with probes on the three
    feature sites (and with --soft the target's final norm), the same path as `probebus record`
    (probe.attach + exporters.ArrowRecorder), into a temporary folder (not committed).
 2. Train with `decoder.train_drafter` (what `probebus train-drafter` runs): on the recorded
-   tokens, or with --soft against the target's whole next-token distribution.
-3. Measure tau and tokens per forward on held-out prompts, greedy and sampled (and, with --compare,
-   the same for another drafter folder on the same target); write eval.json and the model card.
+   continuation tokens (the prompts are context, not labels: `TrainConfig.label_prompts`), or with
+   --soft against the target's whole next-token distribution; 5 unrolled steps, one per draft of k = 5.
+3. Measure tau (fixed k = 5, so the figure does not depend on the scheduler's timing) and tokens per
+   forward on held-out prompts, greedy and sampled (and, with --compare, the same for another drafter
+   folder on the same target); write eval.json and the model card.
 
-The shipped head is the default (greedy recordings, recorded tokens). A head trained with
-`--soft --sampled-prompts 1800 --steps 5000` drafted more at T = 0.8 and much less at greedy on
-the benchmark's held-out sets (README, "A drafter trained on the target's distribution").
+The shipped head is the default. A head trained on the recorded tokens with the prompts' own next
+tokens as labels too (`--prompt-labels`, the recipe before 2026-12-07) drafted far less on the
+benchmark's held-out sets; one trained with `--soft --sampled-prompts 1800` drafted more at T = 0.8
+and much less at greedy (docs/benchmarks.md, "A drafter trained on the target's distribution").
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import exporters
 import probe
 from decoder import SpeculativeDecoder, TrainConfig, load_drafter, train_drafter
 from decoder.drafters import Eagle3Config
-from probebus._code_prompts import code_prompts
+from probebus._code_prompts import code_prompts, file_window_prompts
 from probebus._load import load_model
 from probebus.models import DEFAULT_MODEL_DIR
 
@@ -62,7 +66,7 @@ def record(model, tok, prompts: list[str], folder: Path, new_tokens: int, batch:
 def evaluate(model, tok, drafter, prompts: list[str], new_tokens: int, k: int,
              temperature: float = 0.0) -> dict:
     taus, fwd, emitted = [], 0, 0
-    with SpeculativeDecoder(model, drafter, k=k) as spec:
+    with SpeculativeDecoder(model, drafter, k=k, schedule="fixed") as spec:
         for i, p in enumerate(prompts):
             enc = tok([p], return_tensors="pt")
             out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=new_tokens,
@@ -83,11 +87,20 @@ def evaluate_both(model, tok, drafter, temperature: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=1800)
+    ap.add_argument("--prompts", type=int, default=5134, help="`def` contexts (default: all of them)")
+    ap.add_argument("--per-file", type=int, default=16, help="`def` contexts taken per training file")
+    ap.add_argument("--window-prompts", type=int, default=1957,
+                    help="also this many prompts of whole lines from training files: each file's top, and "
+                    "--windows-per-file - 1 more from random lines (default: %(default)s, all of them)")
+    ap.add_argument("--windows-per-file", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--window", type=int, default=96)
+    ap.add_argument("--ttt-steps", type=int, default=5, help="unrolled training-time-test steps (k = 5 drafts)")
+    ap.add_argument("--prompt-labels", dest="label_prompts", action="store_true",
+                    help="also train on the prompts' own next tokens (real text, not what the target would "
+                    "say); off by default: the head trained so drafted far less on held-out sets (README)")
     ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--sampled-prompts", type=int, default=0,
                     help="training-split prompts also recorded with sampled continuations (default: %(default)s)")
@@ -110,12 +123,17 @@ def main() -> None:
         prm.requires_grad_(False)
     t0 = time.time()
     folder = args.recording or Path(tempfile.mkdtemp(prefix="probebus-drafter-rec-"))
+    prompts = code_prompts("train", args.prompts, per_file=args.per_file)
+    if args.window_prompts:
+        prompts += file_window_prompts("train", args.window_prompts, tok, per_file=args.windows_per_file)
     rec = {"reused": str(folder)} if args.recording else record(
-        model, tok, code_prompts("train", args.prompts), folder, args.new_tokens, 16, args.soft,
+        model, tok, prompts, folder, args.new_tokens, 16, args.soft,
         code_prompts("train", args.sampled_prompts, seed=2), args.temperature)
+    if not args.recording:
+        rec |= {"def_prompts": args.prompts, "window_prompts": len(prompts) - args.prompts}
     t_rec = time.time() - t0
     cfg = TrainConfig(steps=args.steps, batch=args.batch, draft_vocab=args.draft_vocab, window=args.window,
-                      soft=args.soft)
+                      soft=args.soft, ttt_steps=args.ttt_steps, label_prompts=args.label_prompts)
     metrics = train_drafter(model, folder, args.out, cfg, resume=False, target_name="default")
     (args.out / "train_state.pt").unlink(missing_ok=True)  # resumability is for interrupted runs, not shipping
     drafter = load_drafter(args.out, model)
@@ -166,15 +184,20 @@ def write_card(out: Path, card: dict) -> None:
                      f"{comp['tokens_per_forward']:.2f} tokens per target forward.")
     objective = ("the target's whole next-token distribution p over the draft vocabulary\n   (soft targets, "
                  "EAGLE's objective, from its final norm recorded alongside)") if tc.get("soft") \
-        else "the recorded tokens"
+        else "the recorded tokens" if tc.get("label_prompts", True) \
+        else "the recorded continuation tokens (the prompts are context, not labels)"
     sampled = (f",\n   and {rec['sampled_prompts']} more sampled at T = {rec['temperature']:g}"
                if rec.get("sampled_prompts") else "")
+    mix = (f" ({rec['def_prompts']:,} `def` contexts, 16 a file at most, and\n   {rec['window_prompts']:,} "
+           "file windows of 48-256 tokens: each file's top and 3 from random lines)" if rec.get("window_prompts")
+           else "")
     sampled_line = f"; sampled at T = {sev['temperature']:g}: tau = {sev['tau']:.2f}" if sev else ""
     loss_note = " (the cross-entropy to p: p's own entropy included)" if tc.get("soft") else ""
     acc_note = (" against the recorded tokens, the sampled ones included" if rec.get("sampled_prompts") else "")
     hold = tr.get("heldout")
+    where = "" if tc.get("label_prompts", True) else " (chains over the continuations)"
     hold_line = (f"\n   On the {hold['sequences']} recorded sequences `train_drafter` holds out (training-split "
-                 f"prompts),\n   drafts equal to the target's greedy token: acceptance by draft position "
+                 f"prompts),\n   drafts equal to the target's greedy token{where}: acceptance by draft position "
                  f"{' / '.join(f'{a:.2f}' for a in hold['acceptance'])}, "
                  f"tau {hold['tau']:.2f}." if hold else "")
     command = "nice -n 10 python training/train_default_drafter.py" + "".join(
@@ -202,7 +225,7 @@ Target: the default model as shipped with this drafter (held-out loss {tgt["held
 greedy degeneracy {tgt["degeneracy"]:.3f} against {tgt["degeneracy_reference"]:.3f} for real text;
 see `../default/README.md`). Retrain this drafter whenever the target changes.
 
-1. Recording: {rec.get("prompts", "?")} training-split prompts (stdlib files never held out, see
+1. Recording: {rec.get("prompts", "?"):,} training-split prompts{mix} (stdlib files never held out, see
    `../default/splits.json`), the target's own greedy continuations of {rec.get("new_tokens", "?")} tokens{sampled},
    features recorded by `probe.attach` + `exporters.ArrowRecorder` (the path
    `probebus record` uses): {rec.get("rows") or 0:,} rows, {tr["tokens"]:,} tokens, {card["record_seconds"]} s.

@@ -49,6 +49,9 @@ class TrainConfig:
     holdout: float = 0.05  # share of recorded sequences kept out of training for held-out acceptance
     eval_k: int = 5
     soft: bool = False  # targets: the target's distribution (needs `final_norm` recorded), not the recorded token
+    # Also train on the prompt's own next tokens (real text). False: only the target's recorded continuations are
+    # labels (the prompt stays context), what a greedy draft must match (see `train_drafter`).
+    label_prompts: bool = True
 
 
 def load_sequences(recording: str | Path, aux_layer_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -59,6 +62,11 @@ def load_sequences(recording: str | Path, aux_layer_ids: list[int]) -> list[tupl
 def load_site_sequences(recording: str | Path, sites: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(tokens [T], features [T, len(sites) * H])] per recorded (run, seq_id), ordered by position; the sites'
     features concatenated in the order given. Sequences with a gap (dropped captures) are skipped."""
+    return [(t, f) for t, f, _ in _sequences(recording, sites)]
+
+
+def _sequences(recording: str | Path, sites: list[str]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """`load_site_sequences` with each sequence's prompt length (its rows captured in prefill)."""
     from exporters import activations  # decoder -> exporters: the reader is the exporters' job
 
     parts = [activations(recording, site=s) for s in sites]
@@ -78,6 +86,7 @@ def load_site_sequences(recording: str | Path, sites: list[str]) -> list[tuple[t
     seq = first.seq_id.numpy()[order]
     pos = first.position.numpy()[order]
     tok = first.token_id.numpy()[order]
+    prefill = np.asarray(first.phase)[order] == "prefill"
     feats = torch.cat([a.tensor[torch.from_numpy(k)].float() for a, k in zip(parts, keys, strict=True)], -1)
     for a, k in zip(parts[1:], keys[1:], strict=True):
         if not np.array_equal(a.position.numpy()[k], pos) or not np.array_equal(a.seq_id.numpy()[k], seq):
@@ -87,7 +96,7 @@ def load_site_sequences(recording: str | Path, sites: list[str]) -> list[tuple[t
     for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(seq)], strict=True):
         if not np.array_equal(pos[lo:hi], np.arange(hi - lo)):
             continue  # a sequence with a gap (dropped captures) cannot be trained on safely
-        out.append((torch.from_numpy(tok[lo:hi].copy()), feats[lo:hi]))
+        out.append((torch.from_numpy(tok[lo:hi].copy()), feats[lo:hi], int(prefill[lo:hi].sum())))
     return out
 
 
@@ -175,18 +184,21 @@ def holdout_count(n: int, share: float) -> int:
 
 
 def heldout_acceptance(drafter: Eagle3Drafter, embed: nn.Embedding, seqs: list[tuple[torch.Tensor, torch.Tensor]],
-                       k: int = 5, window: int = 128, head: nn.Module | None = None) -> dict:
+                       k: int = 5, window: int = 128, head: nn.Module | None = None,
+                       first: list[int] | None = None) -> dict:
     """Acceptance by draft position on held-out sequences: the share of chains whose first i+1 drafts all
     equal the target's greedy token. That is the recorded token where the recording is the target's greedy
     output; where the features also carry the target's `final_norm` (a soft-target recording, sampled
-    continuations included), it is the argmax of `head` over it."""
+    continuations included), it is the argmax of `head` over it. `first`: per sequence, the first chain start
+    counted (chains before it would be scored on prompt tokens)."""
     d2t = drafter.draft_to_target_ids()
     hits = torch.zeros(k, device=d2t.device)
     chains = 0
     dev = d2t.device
     width = len(drafter.config.aux_layer_ids) * drafter.config.target_hidden_size if head is not None else 0
-    for toks, feats in seqs:
+    for n, (toks, feats) in enumerate(seqs):
         toks, feats = toks.to(dev), feats.to(dev)
+        start = first[n] if first else 0
         labels = toks
         if head is not None and feats.shape[-1] > width:  # the target's final norm: its greedy tokens
             labels = torch.cat([toks[:1], head(feats[:, width:]).argmax(-1)])  # labels[t + 1] = argmax at t
@@ -194,8 +206,8 @@ def heldout_acceptance(drafter: Eagle3Drafter, embed: nn.Embedding, seqs: list[t
         for s, length in windows(len(toks), window):
             t_win = toks[s: s + length + 2][None]
             l_win = labels[s: s + length + 2]
-            alive = torch.ones(length, dtype=torch.bool, device=dev)
-            chains += length
+            alive = torch.arange(s, s + length, device=dev) >= start
+            chains += int(alive.sum())
             for j, _, _, logits in ttt_chain(drafter, embed, t_win, feats[s: s + length][None], k):
                 if j >= length:
                     break
@@ -220,8 +232,10 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
     torch.manual_seed(cfg.seed)
     dcfg = Eagle3Config.for_target(target.config, aux_layer_ids=aux_layer_ids)
     sites = [f"layers.{i}.resid_pre" for i in dcfg.aux_layer_ids] + (["final_norm"] if cfg.soft else [])
-    seqs = load_site_sequences(recording, sites)
-    seqs = [s for s in seqs if len(s[0]) >= 8]
+    # (tokens, features, first label): labels are tokens[first + 2:] of the chains (`ttt_chain`); without
+    # label_prompts the first is the last two prompt rows', so that every label is a continuation token.
+    seqs = [(t, f, 0 if cfg.label_prompts else max(0, n - 2)) for t, f, n in _sequences(recording, sites)]
+    seqs = [s for s in seqs if len(s[0]) >= 8 and len(s[0]) - s[2] >= 4]
     if not seqs:
         raise ValueError(f"{recording}: no complete sequence of at least 8 tokens")
     # a fixed, seeded choice of held-out sequences (the same on resume)
@@ -229,7 +243,7 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
     n_hold = holdout_count(len(seqs), cfg.holdout)
     heldout = [seqs[i] for i in order[:n_hold]]
     seqs = [seqs[i] for i in sorted(order[n_hold:])]
-    ids = draft_vocabulary(seqs, dcfg.vocab_size, cfg.draft_vocab)
+    ids = draft_vocabulary([(t, f) for t, f, _ in seqs], dcfg.vocab_size, cfg.draft_vocab)
     dcfg.draft_vocab_size = len(ids)
     drafter = Eagle3Drafter(dcfg)
     drafter.d2t.copy_(ids - torch.arange(len(ids)))
@@ -264,14 +278,14 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        toks, feats = _batch(pool, cfg.batch, window, gen)
+        toks, feats, unlabelled = _batch(pool, cfg.batch, window, gen)
         toks, feats = toks.to(dev), feats.to(dev)
+        targets = to_draft[toks[:, 2: window + 2]].masked_fill(unlabelled.to(dev), -100)
         soft = None
         if head is not None:  # position t's target: the target's distribution after t + 1 (its final norm there)
             with torch.no_grad():
                 soft = F.softmax(head(feats[:, 1:, width:]).float(), -1)
-        loss, accs = ttt_loss(drafter, embed, toks, feats[:, :window, :width], to_draft[toks[:, 2: window + 2]], cfg,
-                              soft)
+        loss, accs = ttt_loss(drafter, embed, toks, feats[:, :window, :width], targets, cfg, soft)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -288,22 +302,27 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
     drafter.eval()
     if heldout:
         drafter.bind_target(target)
-        metrics["heldout"] = heldout_acceptance(drafter, embed, heldout, cfg.eval_k, window,
-                                                head=target.get_output_embeddings())
+        metrics["heldout"] = heldout_acceptance(drafter, embed, [(t, f) for t, f, _ in heldout], cfg.eval_k,
+                                                window, head=target.get_output_embeddings(),
+                                                first=[n for _, _, n in heldout])
     save_drafter(drafter, out, target_name=target_name)
     return metrics
 
 
-def _batch(pool: list, batch: int, window: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token windows [B, window + 2] and their features [B, window + 1, ...] (the last row is read only by soft
-    targets: the target's final norm one position on)."""
-    toks, feats = [], []
+def _batch(pool: list, batch: int, window: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor,
+                                                                            torch.Tensor]:
+    """Token windows [B, window + 2], their features [B, window + 1, ...] (the last row is read only by soft
+    targets: the target's final norm one position on) and which chain positions have no label [B, window]."""
+    toks, feats, unlabelled = [], [], []
     for i in torch.randint(len(pool), (batch,), generator=gen).tolist():
-        t, f = pool[i]
-        s = int(torch.randint(len(t) - window - 1, (1,), generator=gen))
+        t, f, first = pool[i]
+        # a window that ends in the sequence's labelled part (one with no label at all would give no loss)
+        lo = min(max(0, first - window + 1), len(t) - window - 2)
+        s = lo + int(torch.randint(len(t) - window - 1 - lo, (1,), generator=gen))
         toks.append(t[s: s + window + 2])
         feats.append(f[s: s + window + 1])
-    return torch.stack(toks), torch.stack(feats)
+        unlabelled.append(torch.arange(s, s + window) < first)
+    return torch.stack(toks), torch.stack(feats), torch.stack(unlabelled)
 
 
 def _draft_head(target: nn.Module, ids: torch.Tensor) -> nn.Linear:

@@ -306,9 +306,10 @@ def _train_mtp_attn(target: nn.Module, recording: str | Path, out: str | Path, c
     embed = target.get_input_embeddings()
     ttt = SimpleNamespace(ttt_steps=cfg.depth, decay=cfg.decay)
     gen = torch.Generator().manual_seed(cfg.seed)
+    labelled = [(t, f, 0) for t, f in pool]  # every position a label, the prompts' too (as EAGLE-3 trained before)
 
     def loss_fn(idx: torch.Tensor) -> tuple[torch.Tensor, list[float]]:  # idx: unused, the windows come from `gen`
-        toks, feats = _batch(pool, cfg.sequences, window, gen)
+        toks, feats, _ = _batch(labelled, cfg.sequences, window, gen)
         return ttt_loss(drafter, embed, toks, feats[:, :window].float(), toks[:, 2: window + 2], ttt)
 
     metrics = {"sequences": len(pool), "window": window, "heldout_sequences": len(held)}
