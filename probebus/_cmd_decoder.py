@@ -109,6 +109,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--soft", action="store_true", help="eagle3: train against the target's whole next-token "
                    "distribution (EAGLE's objective; record final_norm with the feature sites) instead of the "
                    "recorded tokens: more of its sampled drafts are accepted")
+    t.add_argument("--prompt-labels", action="store_true", help="eagle3: also train on the prompts' own next tokens "
+                   "(real text, not what the target would say); by default only the recorded continuations are labels")
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a training state")
     t.add_argument("--json", action="store_true", help="print the metrics as one JSON object instead of a table")
     t.set_defaults(func=_cmd_train)

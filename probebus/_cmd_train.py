@@ -37,7 +37,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.method != "eagle3":
         return _train_other(args, model, rec)
     cfg = TrainConfig(steps=args.steps, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, window=args.window,
-                      batch=args.batch, lr=args.lr, holdout=args.holdout, soft=args.soft)
+                      batch=args.batch, lr=args.lr, holdout=args.holdout, soft=args.soft,
+                      label_prompts=args.prompt_labels)
     try:
         metrics = train_drafter(model, rec, args.out, cfg, resume=not args.no_resume, target_name=args.model,
                                 progress=sys.stderr.isatty())

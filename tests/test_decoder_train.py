@@ -173,7 +173,7 @@ def test_soft_targets_are_the_targets_distribution_and_bring_q_closer_to_p(tmp_p
 
 
 def test_without_prompt_labels_only_continuation_tokens_are_labels(tmp_path: Path, capsys) -> None:
-    """TrainConfig(label_prompts=False): each sequence's prompt length comes from its prefill rows (checked
+    """TrainConfig(label_prompts=False), the default: each sequence's prompt length comes from its prefill rows (checked
     against the tokenizer), a training window labels exactly the tokens after the prompt, and the held-out
     report scores only chains whose drafts are continuation tokens."""
     from decoder import TrainConfig, train_drafter
@@ -203,7 +203,8 @@ def test_without_prompt_labels_only_continuation_tokens_are_labels(tmp_path: Pat
             assert not bool(mask.all())  # and never a window with nothing to learn
 
     cfg = dict(steps=6, window=16, batch=4, draft_vocab=256, holdout=0.25)
-    full = train_drafter(model, tmp_path / "rec", tmp_path / "a", TrainConfig(**cfg), progress=False)
+    full = train_drafter(model, tmp_path / "rec", tmp_path / "a", TrainConfig(**cfg, label_prompts=True),
+                         progress=False)
     cont = train_drafter(model, tmp_path / "rec", tmp_path / "b", TrainConfig(**cfg, label_prompts=False),
                          progress=False)
     assert torch.isfinite(torch.tensor(cont["loss"]))
