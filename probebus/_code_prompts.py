@@ -9,23 +9,28 @@ Used by the speculative benchmark (held-out) and the drafter's recording (train)
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
 
 from probebus.models import DEFAULT_MODEL_DIR
 from probebus.models.corpus import load_splits, read_source, stdlib_root
 
 
-def code_prompts(split: str, n: int, *, context_lines: int = 6, seed: int = 0, per_file: int = 4) -> list[str]:
-    splits = load_splits(DEFAULT_MODEL_DIR)
+def _sources(split: str) -> Iterator[str]:
+    """The text of each file of the split that this interpreter has, in the split's order."""
     if split not in ("train", "heldout"):
         raise ValueError("split must be 'train' or 'heldout'")
     root = stdlib_root()
-    found: list[str] = []
-    for rel in splits[split]:
+    for rel in load_splits(DEFAULT_MODEL_DIR)[split]:
         path = root / rel
-        if not path.is_file():
-            continue
-        lines = read_source(path).splitlines()
+        if path.is_file():
+            yield read_source(path)
+
+
+def code_prompts(split: str, n: int, *, context_lines: int = 6, seed: int = 0, per_file: int = 4) -> list[str]:
+    found: list[str] = []
+    for text in _sources(split):
+        lines = text.splitlines()
         starts = [i for i, ln in enumerate(lines) if ln.lstrip().startswith("def ") and ln.rstrip().endswith(":")]
         for i in starts[:per_file]:
             found.append("\n".join(lines[max(0, i - context_lines): i + 1]) + "\n")
@@ -44,17 +49,10 @@ def file_window_prompts(split: str, n: int, tokenizer: Any, *, per_file: int = 1
 
         file_window_prompts("train", 2000, tok, per_file=4)
     """
-    splits = load_splits(DEFAULT_MODEL_DIR)
-    if split not in ("train", "heldout"):
-        raise ValueError("split must be 'train' or 'heldout'")
     rng = random.Random(seed)
-    root = stdlib_root()
     found: list[str] = []
-    for rel in splits[split]:
-        path = root / rel
-        if not path.is_file():
-            continue
-        lines = read_source(path).splitlines(keepends=True)
+    for text in _sources(split):
+        lines = text.splitlines(keepends=True)
         starts = [0] + [rng.randrange(len(lines)) for _ in range(per_file - 1)] if lines else []
         for start in starts:
             want, count = rng.randint(min_tokens, max_tokens), 0
