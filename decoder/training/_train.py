@@ -51,7 +51,8 @@ class TrainConfig:
     soft: bool = False  # targets: the target's distribution (needs `final_norm` recorded), not the recorded token
     # Also train on the prompts' own next tokens (real text, not what the target would say). Off: only the target's
     # recorded continuations are labels, the prompts stay context; the shipped head trained so drafted 1.4-1.9x as
-    # many tokens a round on the benchmark's held-out sets as one trained with them (docs/benchmarks.md).
+    # many tokens a round on the benchmark's held-out sets as one trained with them (docs/benchmarks.md). Soft targets
+    # keep their loss at every position drawn (there p is the target's own, a right label in the prompt too).
     label_prompts: bool = False
 
 
@@ -233,8 +234,8 @@ def train_drafter(target: nn.Module, recording: str | Path, out: str | Path, cfg
     torch.manual_seed(cfg.seed)
     dcfg = Eagle3Config.for_target(target.config, aux_layer_ids=aux_layer_ids)
     sites = [f"layers.{i}.resid_pre" for i in dcfg.aux_layer_ids] + (["final_norm"] if cfg.soft else [])
-    # (tokens, features, first label): labels are tokens[first + 2:] of the chains (`ttt_chain`); without
-    # label_prompts the first is the last two prompt rows', so that every label is a continuation token.
+    # (tokens, features, first labelled position): position t's label is token t + 2 (`ttt_chain`), so without
+    # label_prompts the first is two before the prompt's end and every label is a continuation token.
     seqs = [(t, f, 0 if cfg.label_prompts else max(0, n - 2)) for t, f, n in _sequences(recording, sites)]
     seqs = [s for s in seqs if len(s[0]) >= 8 and len(s[0]) - s[2] >= 4]
     if not seqs:
