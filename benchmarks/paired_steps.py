@@ -80,8 +80,8 @@ class Toggler(BaseStreamer):
 
 
 def _faults() -> int:
-    """The calling thread's minor page faults so far: a probed step that faults in fresh heap pages (glibc
-    trimming the heap's top between steps) pays ~2-3 us a page here (docs/design.md, Memory)."""
+    """The calling thread's minor page faults so far: a step that faults back in pages glibc returned to the
+    kernel after the step before pays for each (docs/benchmarks.md, "the batch-8 slow mode was page faults")."""
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 

@@ -58,7 +58,7 @@ class ProbeSession:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.model = model
         self.arch = resolve_arch(model)
-        if tune_malloc:  # a probed step's allocations must not leave the heap's top trimmed (see attach)
+        if tune_malloc:  # freed heap stays mapped: no probed step faults its pages back in (see attach)
             keep_freed_frames()
         self.policy = policy
         self.run = run or uuid.uuid4().hex[:12]

@@ -71,7 +71,7 @@ def test_glibc_variables_of_the_user_win() -> None:
     assert applied == "False"  # glibc's own variables leave malloc as the user set it
 
 
-# The model's process: attach sets the same thresholds (a probed step's heap must not be trimmed between steps),
+# The model's process: attach sets the same thresholds (no probed step faults freed heap pages back in),
 # unless told not to. Printed from a fresh process, since the setting is process-wide and once only.
 ATTACH = textwrap.dedent("""
     import sys, torch, probe

@@ -123,14 +123,16 @@ def main() -> None:
         prm.requires_grad_(False)
     t0 = time.time()
     folder = args.recording or Path(tempfile.mkdtemp(prefix="probebus-drafter-rec-"))
-    prompts = code_prompts("train", args.prompts, per_file=args.per_file)
-    if args.window_prompts:
-        prompts += file_window_prompts("train", args.window_prompts, tok, per_file=args.windows_per_file)
-    rec = {"reused": str(folder)} if args.recording else record(
-        model, tok, prompts, folder, args.new_tokens, 16, args.soft,
-        code_prompts("train", args.sampled_prompts, seed=2), args.temperature)
-    if not args.recording:
-        rec |= {"def_prompts": args.prompts, "window_prompts": len(prompts) - args.prompts}
+    if args.recording:
+        rec: dict = {"reused": str(folder)}
+    else:
+        prompts = code_prompts("train", args.prompts, per_file=args.per_file)
+        if args.window_prompts:
+            prompts += file_window_prompts("train", args.window_prompts, tok, per_file=args.windows_per_file)
+        rec = record(model, tok, prompts, folder, args.new_tokens, 16, args.soft,
+                     code_prompts("train", args.sampled_prompts, seed=2), args.temperature)
+        rec |= {"def_prompts": args.prompts, "per_file": args.per_file, "window_prompts": len(prompts) - args.prompts,
+                "windows_per_file": args.windows_per_file}
     t_rec = time.time() - t0
     cfg = TrainConfig(steps=args.steps, batch=args.batch, draft_vocab=args.draft_vocab, window=args.window,
                       soft=args.soft, ttt_steps=args.ttt_steps, label_prompts=args.label_prompts)
@@ -188,9 +190,10 @@ def write_card(out: Path, card: dict) -> None:
         else "the recorded continuation tokens (the prompts are context, not labels)"
     sampled = (f",\n   and {rec['sampled_prompts']} more sampled at T = {rec['temperature']:g}"
                if rec.get("sampled_prompts") else "")
-    mix = (f" ({rec['def_prompts']:,} `def` contexts, 16 a file at most, and\n   {rec['window_prompts']:,} "
-           "file windows of 48-256 tokens: each file's top and 3 from random lines)" if rec.get("window_prompts")
-           else "")
+    mix = (f" ({rec['def_prompts']:,} `def` contexts, {rec.get('per_file', 16)} a file at most, and\n   "
+           f"{rec['window_prompts']:,} file windows of 48-256 tokens: each file's top and "
+           f"{rec.get('windows_per_file', 4) - 1} from random lines)" if rec.get("window_prompts") else "")
+    n_prompts = f"{rec['prompts']:,}" if "prompts" in rec else "?"  # a reused recording's card does not know it
     sampled_line = f"; sampled at T = {sev['temperature']:g}: tau = {sev['tau']:.2f}" if sev else ""
     loss_note = " (the cross-entropy to p: p's own entropy included)" if tc.get("soft") else ""
     acc_note = (" against the recorded tokens, the sampled ones included" if rec.get("sampled_prompts") else "")
@@ -225,7 +228,7 @@ Target: the default model as shipped with this drafter (held-out loss {tgt["held
 greedy degeneracy {tgt["degeneracy"]:.3f} against {tgt["degeneracy_reference"]:.3f} for real text;
 see `../default/README.md`). Retrain this drafter whenever the target changes.
 
-1. Recording: {rec.get("prompts", "?"):,} training-split prompts{mix} (stdlib files never held out, see
+1. Recording: {n_prompts} training-split prompts{mix} (stdlib files never held out, see
    `../default/splits.json`), the target's own greedy continuations of {rec.get("new_tokens", "?")} tokens{sampled},
    features recorded by `probe.attach` + `exporters.ArrowRecorder` (the path
    `probebus record` uses): {rec.get("rows") or 0:,} rows, {tr["tokens"]:,} tokens, {card["record_seconds"]} s.

@@ -50,8 +50,8 @@ class TrainConfig:
     eval_k: int = 5
     soft: bool = False  # targets: the target's distribution (needs `final_norm` recorded), not the recorded token
     # Also train on the prompts' own next tokens (real text, not what the target would say). Off: only the target's
-    # recorded continuations are labels, the prompts stay context; the shipped head trained so drafted 1.4-1.9x as
-    # many tokens a round on the benchmark's held-out sets as one trained with them (docs/benchmarks.md). Soft targets
+    # recorded continuations are labels, the prompts stay context; the shipped head trained so drafted 1.8-2.0x as
+    # many tokens a round on the benchmark's held-out sets as one trained with them (docs/design.md). Soft targets
     # keep their loss at every position drawn (there p is the target's own, a right label in the prompt too).
     label_prompts: bool = False
 
