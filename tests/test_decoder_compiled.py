@@ -10,6 +10,7 @@ import torch
 from models import PAD, build, left_padded
 from test_decoder_greedy import PROMPTS, assert_same_or_near_tie
 
+import probe
 from decoder import NgramDrafter, SpeculativeDecoder
 from decoder.drafters import Eagle3Config, Eagle3Drafter
 from decoder.forward._compiled import CompiledForward, StaticLoopCache
@@ -65,6 +66,37 @@ def test_compiled_tree_rounds_equal_generate(model: torch.nn.Module) -> None:
         out = spec.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD)
     assert_same_or_near_tie(model, out.sequences, want, mask)
     assert out.stats.tree_rounds > 0
+
+
+def _verify_captures(model: torch.nn.Module, compiled: bool) -> list[tuple[str, list[int], torch.Tensor]]:
+    """What a second subscriber of the decoder's own bus reads of its verify forwards: (site, positions, rows)."""
+    ids, mask = left_padded(PROMPTS[:1])
+    flat = CostModel("test", {"1": {"verify": [1e-3] * 8, "verify_capturing": [1e-3] * 8, "step": 1e-5}},
+                     adapt=False)  # (given: nothing measured, so no forwards of a measurement on the bus)
+    # k = 6: every verify forward has 7 tokens, which the compiled loop runs in the graph of 9 (`bucket`)
+    with SpeculativeDecoder(model, _eagle(model), k=6, schedule="fixed", compiled=compiled, cost=flat) as spec:
+        session = spec.drafters.session
+        sub = probe.Subscriber(session.endpoint)
+        try:
+            session.wait_for_subscribers(2)
+            spec.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD)
+            got = []
+            while (cap := sub.recv(timeout=2.0)) is not None:
+                if cap.phase == "verify":
+                    got.append((cap.site, cap.positions.tolist(), cap.tensor.clone()))
+        finally:
+            sub.close()
+    return got
+
+
+def test_compiled_padded_forwards_publish_exactly_the_eager_loops_rows(model: torch.nn.Module) -> None:
+    """A compiled forward runs padded to its graph's length with the drafter's taps in it: the bus carries its
+    real rows only, the same rows and values the eager loop's forwards publish."""
+    eager, compiled = _verify_captures(model, False), _verify_captures(model, True)
+    assert [(s, p) for s, p, _ in compiled] == [(s, p) for s, p, _ in eager]
+    assert any(len(p) == 7 for _, p, _ in eager)  # (padded forwards were among them)
+    for (_, _, a), (_, _, b) in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_compiled_sampling_runs_and_keeps_its_budget(model: torch.nn.Module) -> None:

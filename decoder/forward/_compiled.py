@@ -19,10 +19,10 @@ compiles at most len(LENGTHS) graphs per batch size and capacity (capacities are
 
 The compiled forward is swapped in as `model.forward` for the call only (the instance dict, as `_packed.py`
 swaps its layers), so the model's own hooks (a probe session's step hooks) still run around it. Forwards whose
-taps publish (a feature-fed drafter reading the bus) run graphs with the taps in them, unpadded (their rows must
-be exactly the real ones), of the lengths `warm` compiled; others, and the prefill, run eagerly on the same
-cache. The linear layers run over weights packed once (`_packed.packed_linear`), refreshed when they change; no
-Inductor freezing, so a fine-tuned model stays right.
+taps publish (a feature-fed drafter reading the bus) run graphs with the taps in them, padded as the others (the
+loop labels the padding rows invalid, so they are never published); the prefill runs eagerly on the same cache.
+The linear layers run over weights packed once (`_packed.packed_linear`), refreshed when they change; no Inductor
+freezing, so a fine-tuned model stays right.
 """
 
 from __future__ import annotations
@@ -156,15 +156,15 @@ class CompiledForward:
         self.dtype = next(model.parameters()).dtype
         # the graphs call oneDNN's linear over weights packed once (`_packed.py`, `packed_linear`), where it applies
         self.packed = PackedLinears.of(model, "all")
-        self._warm: set[tuple[int, int, int, bool]] = set()  # (batch, capacity, graph length, padded) compiled
+        self._warm: set[tuple[int, int, int, bool]] = set()  # (batch, capacity, graph length, tapped) compiled
         self._caches: dict[tuple[int, int], StaticLoopCache] = {}  # (batch, capacity): reused call after call
 
-    def warm(self, batch: int, capacity: int, lengths: list[int], cache_kw: str, pad: bool = True) -> None:
+    def warm(self, batch: int, capacity: int, lengths: list[int], cache_kw: str, tapped: bool = False) -> None:
         """Compile the graphs a call will run before it runs them (a call's first rounds would otherwise pay
-        their compile, and judge drafting by it): forwards on the call's cache, emptied after. `pad` False: the
-        graphs of exactly these lengths (with the taps on: their forwards run unpadded)."""
-        todo = sorted({n for n in (bucket(x) if pad else x for x in lengths)
-                       if n is not None and (batch, capacity, n, pad) not in self._warm})
+        their compile, and judge drafting by it): forwards on the call's cache, emptied after. `tapped`: the
+        model's probe taps are on (another graph of each length; the caller marks their captures invalid)."""
+        todo = sorted({n for n in map(bucket, lengths)
+                       if n is not None and (batch, capacity, n, tapped) not in self._warm})
         if not todo:
             return
         device = next(self.model.parameters()).device
@@ -173,8 +173,8 @@ class CompiledForward:
         self(ids, torch.zeros_like(ids), None, cache, cache_kw, compiled=False)
         for n in todo:
             x = ids.expand(batch, n)
-            self._warm.add((batch, capacity, n, pad))
-            self(x, torch.arange(1, n + 1, device=device)[None].expand(batch, n), None, cache, cache_kw, pad=pad)
+            self._warm.add((batch, capacity, n, tapped))
+            self(x, torch.arange(1, n + 1, device=device)[None].expand(batch, n), None, cache, cache_kw)
             cache.crop(-n)
         cache.crop(-cache.get_seq_length())
 
@@ -227,16 +227,13 @@ class CompiledForward:
                 own["forward"] = had
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                 cache: StaticLoopCache, cache_kw: str, compiled: bool = True, pad: bool = True) -> torch.Tensor:
+                 cache: StaticLoopCache, cache_kw: str, compiled: bool = True) -> torch.Tensor:
         """Logits [B, L, V] of the forward of `ids` [B, L] after the cache's columns; the cache then holds L more.
-        `compiled` False (the prefill), or a forward longer than any graph: eagerly. `pad` False (a forward whose
-        taps publish: its rows must be exactly the real ones): a graph of exactly L rows."""
+        `compiled` False (the prefill), or a forward longer than any graph: eagerly. Else the graph of
+        `bucket(L)` rows (a probe session labels the padding rows invalid: `loop/_target.py`)."""
         b, length = ids.shape
         cols = cache.get_seq_length()
-        # an unpadded forward runs its graph where `warm` compiled one (a tapped forward of a length the call did
-        # not expect, an n-gram tree's while the probes are on, runs eagerly rather than compile in the call)
-        rows = (bucket(length) if pad else length if (b, cache.capacity, length, False) in self._warm else None) \
-            if compiled else None
+        rows = bucket(length) if compiled else None
         if cols + (rows or length) > cache.capacity:
             cache.grow(cols + (rows or length))
         full = full_mask(mask, b, cols, length, rows or length, cache.capacity, self.dtype, ids.device)

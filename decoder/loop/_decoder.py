@@ -246,8 +246,10 @@ class SpeculativeDecoder:
             if not binds:  # the graphs this call may run, compiled before it starts (not what drafting costs)
                 t_warm = time.perf_counter()
                 longest = [self.k + 1, self.ngram_tree + 1, self.tree + 1] if drafting and self.has_drafter else []
-                self.target.warm(run, [1, *range(2, max(longest, default=1) + 1)],
-                                 tapped=self.k + 1 if run.model_drafters else 0)  # (chains the drafters read)
+                lengths = [1, *range(2, max(longest, default=1) + 1)]
+                # with a model drafter the probes stay on through most rounds (n-gram's and trees' too): every
+                # length gets its graph with the taps in as well
+                self.target.warm(run, lengths, tapped=len(lengths) if run.model_drafters else 0)
                 run.setup_s += time.perf_counter() - t_warm
         for sc in run.scheds:
             sc.new_call()

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..forward._compat import cache_kw
-from ..forward._compiled import CompiledForward, StaticLoopCache
+from ..forward._compiled import CompiledForward, StaticLoopCache, bucket
 from ..forward._kv import GrowingCache
 from ..forward._packed import PackedLinears
 
@@ -78,25 +78,26 @@ class Target:
         if tapped and self.session is not None:
             self.capture(True)
             with self.quiet(run, reads_features=False):
-                self.compiled.warm(run.b, run.cache.capacity, lengths[:tapped], self.cache_kw, pad=False)
+                self.compiled.warm(run.b, run.cache.capacity, lengths[:tapped], self.cache_kw, tapped=True)
             self.capture(False)
 
     def forward(self, run: Run, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 phase: str = "verify", labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, L, V] of one forward on the call's cache. `labels`: the positions the probes publish
         (a tree forward labels node j with last + j; default `positions`)."""
-        with self.context(phase, run, positions if labels is None else labels):
-            if isinstance(run.cache, StaticLoopCache):
-                # compiled but the prefill (its length is the prompt's; eager, packed weights); where the probes
-                # publish, a graph with the taps in it and exactly the real rows
-                if phase == "prefill":
-                    with self.weights():
-                        return self.compiled(ids, positions, mask, run.cache, self.cache_kw, compiled=False)
-                return self.compiled(ids, positions, mask, run.cache, self.cache_kw,
-                                     pad=self.session is None or not self.capturing)
-            with self.weights():
-                return self.model(ids, attention_mask=mask, position_ids=positions, **{self.cache_kw: run.cache},
-                                  use_cache=True).logits
+        labels = positions if labels is None else labels
+        if isinstance(run.cache, StaticLoopCache):
+            # compiled but the prefill (its length is the prompt's; eager, packed weights). A graph runs at its
+            # padded length (`bucket`), the taps in it where the probes publish: its padding rows are labelled
+            # invalid, so the bus carries exactly the real rows.
+            if phase == "prefill":
+                with self.context(phase, run, labels), self.weights():
+                    return self.compiled(ids, positions, mask, run.cache, self.cache_kw, compiled=False)
+            with self.context(phase, run, labels, rows=bucket(ids.shape[1])):
+                return self.compiled(ids, positions, mask, run.cache, self.cache_kw)
+        with self.context(phase, run, labels), self.weights():
+            return self.model(ids, attention_mask=mask, position_ids=positions, **{self.cache_kw: run.cache},
+                              use_cache=True).logits
 
     # --- the probes -------------------------------------------------------------------
     def capture(self, on: bool) -> None:
@@ -140,17 +141,29 @@ class Target:
                 self.capture(before)
         return ctx
 
-    def context(self, phase: str, run: Run, positions: torch.Tensor | None = None) -> contextlib.AbstractContextManager:
+    def context(self, phase: str, run: Run, positions: torch.Tensor | None = None,
+                rows: int | None = None) -> contextlib.AbstractContextManager:
         """The probes' identity for the loop's own forwards: its rows keep the sequence ids reserved at the
-        prefill, whatever else runs on the model in between (a drafter that is the target's own layers)."""
+        prefill, whatever else runs on the model in between (a drafter that is the target's own layers). `rows`:
+        the forward runs padded to this many (a compiled graph's length); the rows past `positions` are invalid."""
         if self.session is None:
             return contextlib.nullcontext()
         if phase == "prefill":
             ctx = self.session.context(phase="prefill", seq_ids=run.seq_ids)
         else:
-            ctx = self.session.context(phase="verify", seq_ids=run.seq_ids, positions=positions,
-                                       valid=self._valid_on if self.capturing else self._valid_off)
+            valid = self._valid_on if self.capturing else self._valid_off
+            if rows is not None and positions is not None and rows > positions.shape[1]:
+                positions, valid = self._padded(positions, rows, valid)
+            ctx = self.session.context(phase="verify", seq_ids=run.seq_ids, positions=positions, valid=valid)
         return then_sync(ctx, self.session, run.device.type == "cuda" and self.capturing)
+
+    def _padded(self, positions: torch.Tensor, rows: int, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions and validity of a forward padded to `rows`: the padding continues each row's positions
+        (never published: invalid)."""
+        length = positions.shape[1]
+        pad = positions[:, -1:] + torch.arange(1, rows - length + 1, device=positions.device)
+        real = torch.arange(rows) < length
+        return torch.cat([positions, pad], 1), real[None] & valid.reshape(1, 1).cpu()
 
     def close(self) -> None:
         if self.session is not None:

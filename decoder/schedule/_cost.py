@@ -121,7 +121,8 @@ class CostModel:
         have = PackedLinears.of(target, packed)
         packed = have.kind if have is not None else "none"
         # "+CACHE_VERSION": the cache format (see CACHE_VERSION for when to bump it)
-        mode = "|compiled" if compiled is not None else ""
+        # (compiled2: the curve with the probes publishing measured on the compiled forwards too, not eagerly)
+        mode = "|compiled2" if compiled is not None else ""
         key = hashlib.sha256(f"{_model_key(target)}|{_machine_key()}|packed={packed}{mode}+{CACHE_VERSION}"
                              .encode()).hexdigest()[:20]
         path = path or cache_dir() / f"decoder-cost-{key}.json"
@@ -200,7 +201,8 @@ class CostModel:
                                                  compiled=self._compiled)
         if capturing is not None:
             on = self.measure(self._target, batch, k_max, None, capturing, packed=self._packed,
-                              lengths=None if quick is None else [1, k_max + 1], reps=reps)["verify"]
+                              lengths=None if quick is None else [1, k_max + 1], reps=reps,
+                              compiled=self._compiled)["verify"]
             plain = self.data[str(batch)]["verify"]
             self.data[str(batch)]["verify_capturing"] = [max(a, b) for a, b in zip(on, plain, strict=False)]
         self.initial[str(batch)] = json.loads(json.dumps(self.data[str(batch)]))
