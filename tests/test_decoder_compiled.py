@@ -112,7 +112,7 @@ def test_compiled_sampling_runs_and_keeps_its_budget(model: torch.nn.Module) -> 
 def test_static_cache_grows_and_keeps_its_columns(model: torch.nn.Module) -> None:
     """A call that outruns its static cache gets a larger one with the filled columns copied: the next forward's
     logits equal the eager forward's over a GrowingCache holding the same tokens."""
-    fwd = CompiledForward.of(model)
+    fwd = CompiledForward(model)  # (its own caches: the model's shared one may hold a larger cache, which serves)
     cache = fwd.new_cache(1, 8)
     assert isinstance(cache, StaticLoopCache) and cache.capacity == 256
     grown_ref = GrowingCache(400)
@@ -124,6 +124,19 @@ def test_static_cache_grows_and_keeps_its_columns(model: torch.nn.Module) -> Non
     want = model(nxt, position_ids=torch.arange(250, 259)[None], cache=grown_ref, use_cache=True).logits
     assert cache.capacity == 512 and cache.get_seq_length() == 259
     assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+
+
+def test_a_call_runs_on_a_larger_cache_whose_graphs_exist(model: torch.nn.Module) -> None:
+    """A call that needs fewer columns than a cache made before runs on that one, up to twice the capacity it
+    needs (its graphs exist; a new capacity compiles them all again, inside the call)."""
+    fwd = CompiledForward(model)
+    big = fwd.new_cache(1, 300)
+    assert big.capacity == 512
+    assert fwd.new_cache(1, 200) is big  # 256 needed: 512 serves
+    assert fwd.new_cache(3, 200).capacity == 256  # another batch size: its own
+    huge = fwd.new_cache(2, 1000)
+    assert fwd.new_cache(2, 100) is not huge and fwd.new_cache(2, 100).capacity == 256  # past twice: a new one
+    assert fwd.new_cache(1, 200).get_seq_length() == 0
 
 
 def test_compiled_loop_follows_weights_changed_between_calls(model: torch.nn.Module) -> None:
