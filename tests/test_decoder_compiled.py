@@ -126,17 +126,21 @@ def test_static_cache_grows_and_keeps_its_columns(model: torch.nn.Module) -> Non
     assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
 
 
-def test_a_call_runs_on_a_larger_cache_whose_graphs_exist(model: torch.nn.Module) -> None:
-    """A call that needs fewer columns than a cache made before runs on that one, up to twice the capacity it
-    needs (its graphs exist; a new capacity compiles them all again, inside the call)."""
-    fwd = CompiledForward(model)
-    big = fwd.new_cache(1, 300)
-    assert big.capacity == 512
-    assert fwd.new_cache(1, 200) is big  # 256 needed: 512 serves
-    assert fwd.new_cache(3, 200).capacity == 256  # another batch size: its own
-    huge = fwd.new_cache(2, 1000)
-    assert fwd.new_cache(2, 100) is not huge and fwd.new_cache(2, 100).capacity == 256  # past twice: a new one
-    assert fwd.new_cache(1, 200).get_seq_length() == 0
+def test_a_longer_prompt_runs_the_graphs_compiled_before(model: torch.nn.Module) -> None:
+    """The cache's capacity is a dynamic dimension of the graphs: a call whose prompt needs a larger static cache
+    compiles nothing more (before, each capacity compiled every graph again, inside the call), and still equals
+    `generate`."""
+    short, long_ = torch.tensor([[5, 9, 11, 4]]), torch.randint(3, model.config.vocab_size, (1, 300))
+    graphs = torch._dynamo.utils.counters["stats"]
+    with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed", compiled=True) as spec:
+        spec.generate(short, max_new_tokens=8)
+        before = graphs["unique_graphs"]
+        out = spec.generate(long_, max_new_tokens=12)
+        assert graphs["unique_graphs"] == before
+    with torch.no_grad():
+        want = model.generate(input_ids=long_, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=PAD)
+    assert_same_or_near_tie(model, out.sequences, want, torch.ones_like(long_))
 
 
 def test_compiled_loop_follows_weights_changed_between_calls(model: torch.nn.Module) -> None:

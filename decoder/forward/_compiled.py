@@ -15,7 +15,9 @@ cache's length enters the graph). Every forward attends over the cache's whole c
 mask built here from the loop's own mask (cached columns, holes, the new tokens' causal block, a tree's ancestry).
 A forward of L tokens runs the graph of the next length in LENGTHS: the extra rows repeat the last real one's
 view of the cache plus their own column, their K/V land past the real ones and are cropped at once. So a call
-compiles at most len(LENGTHS) graphs per batch size and capacity (capacities are rounded up to CAPACITY_STEP).
+compiles at most len(LENGTHS) graphs per batch size (with the probes' taps in, as many again). The capacity is a
+dynamic dimension of every graph (the cache's buffers and the mask, `torch._dynamo.mark_dynamic`): a call with a
+longer prompt runs the graphs compiled before (capacities are rounded up to CAPACITY_STEP, buffers reused).
 
 The compiled forward is swapped in as `model.forward` for the call only (the instance dict, as `_packed.py`
 swaps its layers), so the model's own hooks (a probe session's step hooks) still run around it. Forwards whose
@@ -40,9 +42,8 @@ from ._packed import PackedLinears
 # Forward lengths that get a graph (longer forwards run eagerly): every chain up to 5 drafts, then steps to the
 # loop's longest (AUTO_K = 8 drafts: 9 tokens), an n-gram tree (12 nodes and the root: 13), and trees up to 64.
 LENGTHS = (1, 2, 3, 4, 5, 6, 9, 13, 16, 32, 64)
-CAPACITY_STEP = 256  # cache capacities are multiples of this (each capacity is its own set of graphs)
-REUSE_UP_TO = 2  # a call may run on an existing cache of up to this many times the capacity it needs (`_larger`)
-RECOMPILE_LIMIT = 64  # Dynamo's graphs per code object: LENGTHS x batch sizes x capacities must fit
+CAPACITY_STEP = 256  # cache capacities are multiples of this (one graph serves them all: a dynamic dimension)
+RECOMPILE_LIMIT = 64  # Dynamo's graphs per code object: LENGTHS x batch sizes x (taps in or not) must fit
 
 
 _ATTR = "_probebus_compiled_forward"  # a model's CompiledForward, in its __dict__ (see `CompiledForward.of`)
@@ -87,13 +88,14 @@ class StaticLoopCache(StaticCache):
         super().__init__(config=config, max_cache_len=capacity)
         self.layers = [StaticLoopLayer(capacity) for _ in self.layers]
         self.capacity = capacity
+        self.dynamic = False  # its buffers' capacity dimension marked dynamic for Dynamo (`dynamic_capacity`)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length
 
     def grow(self, columns: int) -> None:
         """Room for at least `columns` (a batch whose masked holes piled up): larger buffers, the filled part
-        copied over; the next forwards compile graphs of the new capacity."""
+        copied over; the next forwards run the same graphs (the capacity is a dynamic dimension)."""
         capacity = capacity_for(columns)
         for layer in self.layers:
             if layer.is_initialized:
@@ -105,6 +107,18 @@ class StaticLoopCache(StaticCache):
                     setattr(layer, name, new)
             layer.max_cache_len = capacity
         self.capacity = self.max_cache_len = capacity
+        self.dynamic = False
+
+    def dynamic_capacity(self) -> None:
+        """Mark the buffers' capacity dimension dynamic (once per set of buffers): the graphs Dynamo traces on them
+        serve every capacity. Measured on the default model: the same step times as graphs specialised to one
+        capacity (docs/design.md, "The speculative loop on a compiled target")."""
+        if self.dynamic or not all(layer.is_initialized for layer in self.layers):
+            return
+        for layer in self.layers:
+            torch._dynamo.mark_dynamic(layer.keys, 2)
+            torch._dynamo.mark_dynamic(layer.values, 2)
+        self.dynamic = True
 
     def grew(self, columns: int) -> None:
         """`columns` more were written by a forward (the graph moved each layer's tensor position itself)."""
@@ -157,7 +171,7 @@ class CompiledForward:
         self.dtype = next(model.parameters()).dtype
         # the graphs call oneDNN's linear over weights packed once (`_packed.py`, `packed_linear`), where it applies
         self.packed = PackedLinears.of(model, "all")
-        self._warm: set[tuple[int, int, int, bool]] = set()  # (batch, capacity, graph length, tapped) compiled
+        self._warm: set[tuple[int, int, bool]] = set()  # (batch, graph length, tapped) compiled
         self._caches: dict[tuple[int, int], StaticLoopCache] = {}  # (batch, capacity): reused call after call
 
     def warm(self, batch: int, capacity: int, lengths: list[int], cache_kw: str, tapped: bool = False) -> None:
@@ -165,7 +179,7 @@ class CompiledForward:
         their compile, and judge drafting by it): forwards on the call's cache, emptied after. `tapped`: the
         model's probe taps are on (another graph of each length; the caller marks their captures invalid)."""
         todo = sorted({n for n in map(bucket, lengths)
-                       if n is not None and (batch, capacity, n, tapped) not in self._warm})
+                       if n is not None and (batch, n, tapped) not in self._warm})
         if not todo:
             return
         device = next(self.model.parameters()).device
@@ -174,7 +188,7 @@ class CompiledForward:
         self(ids, torch.zeros_like(ids), None, cache, cache_kw, compiled=False)
         for n in todo:
             x = ids.expand(batch, n)
-            self._warm.add((batch, capacity, n, tapped))
+            self._warm.add((batch, n, tapped))
             self(x, torch.arange(1, n + 1, device=device)[None].expand(batch, n), None, cache, cache_kw)
             cache.crop(-n)
         cache.crop(-cache.get_seq_length())
@@ -205,23 +219,14 @@ class CompiledForward:
             self.packed.refresh()
 
     def new_cache(self, batch: int, columns: int) -> StaticLoopCache:
-        """An empty cache of at least `columns` for `batch` rows: the one the last call of this shape used, so
-        the graphs compiled for its buffers run again (Dynamo keeps a graph per buffer it was traced with)."""
+        """An empty cache of at least `columns` for `batch` rows: the one the last call of this shape used (its
+        buffers reused, not allocated again)."""
         key = (batch, capacity_for(columns))
         cache = self._caches.get(key)
         if cache is None or cache.capacity != key[1]:  # (a cache that grew in a call is replaced)
-            cache = self._larger(batch, key[1]) or StaticLoopCache(self.model.config, key[1])
-            self._caches[key] = cache
+            cache = self._caches[key] = StaticLoopCache(self.model.config, key[1])
         cache.crop(-cache.get_seq_length())
         return cache
-
-    def _larger(self, batch: int, capacity: int) -> StaticLoopCache | None:
-        """The smallest cache of this batch size already made with room for `capacity` columns, up to twice that:
-        its graphs exist, and attending over up to twice the columns cost a forward of the default model 5-10 %
-        more (256 against 512 columns) where a new capacity compiles every graph again, in the call."""
-        have = [c for (b, cap), c in self._caches.items() if b == batch and c.capacity == cap
-                and capacity <= cap <= REUSE_UP_TO * capacity]
-        return min(have, key=lambda c: c.capacity, default=None)
 
     @contextlib.contextmanager
     def _swapped(self) -> Iterator[None]:
@@ -248,6 +253,8 @@ class CompiledForward:
             cache.grow(cols + (rows or length))
         full = full_mask(mask, b, cols, length, rows or length, cache.capacity, self.dtype, ids.device)
         if rows is not None:  # fresh dense tensors: Dynamo guards on strides (a slice, an expand: a new graph)
+            cache.dynamic_capacity()
+            torch._dynamo.mark_dynamic(full, 3)
             extra = rows - length
             ids = torch.cat([ids, ids[:, -1:].expand(b, extra)], 1)  # (a new tensor even where extra is 0)
             positions = torch.cat([positions, positions[:, -1:].expand(b, extra)], 1)
