@@ -369,3 +369,25 @@ def test_several_model_drafters_sample_the_target_distribution(monkeypatch) -> N
     assert _p_value(counts, exact) > 1e-3
     monkeypatch.setattr(verify_module, "verify_chain_sampled", _biased_verify_rows)
     assert _p_value(pairs(300)[0], exact) < 1e-6  # (p = 1e-10 at 300 draws with EAGLE-3's peaked head)
+
+
+def test_a_decoders_probes_publish_only_during_its_calls() -> None:
+    """A decoder's probe session is on the model from its construction; other forwards of the model before its first
+    call (a plain `generate`, another decoder's) are not its to publish: a second subscriber of its bus reads
+    nothing of them, and reads the decoder's own forwards once it runs."""
+    model = build("llama", layers=4)
+    torch.manual_seed(3)
+    eagle = Eagle3Drafter(Eagle3Config.for_target(model.config, aux_layer_ids=[1, 2, 3])).bind_target(model)
+    ids = torch.tensor([[5, 9, 11, 4, 7]])
+    with SpeculativeDecoder(model, eagle, k=2, schedule="fixed", cost=_flat(1, 2)) as spec:
+        session = spec.drafters.session
+        sub = probe.Subscriber(session.endpoint)
+        try:
+            session.wait_for_subscribers(2)
+            with torch.no_grad():
+                model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+            assert sub.recv(timeout=1.0) is None, "a plain generate before the decoder's first call was published"
+            spec.generate(ids, max_new_tokens=4)
+            assert sub.recv(timeout=5.0) is not None
+        finally:
+            sub.close()

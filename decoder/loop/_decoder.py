@@ -115,6 +115,9 @@ class SpeculativeDecoder:
             raise ValueError("schedule='fixed' drafts with one method; 'auto' chooses among several drafters")
         self.drafters = ModelDrafters(target, listed, endpoint, k, fixed=schedule == "fixed")
         self.target.session = self.drafters.session
+        # the session's taps come off until a call wants them: between calls the model is anyone's (a plain
+        # `generate`, another decoder, a compiled graph traced now), and its forwards are not this decoder's to publish
+        self.target.capture(False)
         self.sched = self.drafters.scheds[0]  # the first model drafter's scheduler state (or n-gram's alone)
         packed_kind = self.target.packed.kind if self.target.packed is not None else "none"
         self.cost = cost if cost is not None else CostModel.for_target(target, packed=packed_kind,
