@@ -62,7 +62,7 @@ class Toggler(BaseStreamer):
         self._t = (0.0, 0.0, 0)
 
     def put(self, value: torch.Tensor) -> None:
-        wall, cpu, faults = time.perf_counter(), time.thread_time(), _faults()
+        wall, cpu, faults = time.perf_counter(), time.thread_time(), minor_faults()
         self._puts += 1
         if self._puts == 1:  # the prompt: the prefill follows, probed as usual
             return
@@ -73,13 +73,13 @@ class Toggler(BaseStreamer):
             if self._n == self.block:
                 self.state, self._n = not self.state, 0
         self.switch(self.state)
-        self._t = (time.perf_counter(), time.thread_time(), _faults())
+        self._t = (time.perf_counter(), time.thread_time(), minor_faults())
 
     def end(self) -> None:
         pass
 
 
-def _faults() -> int:
+def minor_faults() -> int:
     """The calling thread's minor page faults so far: a step that faults back in pages glibc returned to the
     kernel after the step before pays for each (docs/benchmarks.md, "the batch-8 slow mode was page faults")."""
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
@@ -119,7 +119,7 @@ def report(batch: int, steps: dict[str, list[list]], cycle: float | None = None)
         if cycle is not None:  # the wall cost against the whole cycle
             out.append(f"= {100 * statistics.median(diffs) / cycle:+5.2f} % of the engine's cycle")
         print(f"  {m:14s} {len(diffs):4d} steps   " + "   ".join(out))
-        if all(len(step) > 3 for s in runs for step in s):  # vllm_paired_steps' steps have no fault counts
+        if all(len(step) > 3 for s in runs for step in s):  # (the minor page faults of each step)
             on = [step[3] for s in runs for step in s if step[0]]
             off = [step[3] for s in runs for step in s if not step[0]]
             print(f"  {'':14s} minor page faults a step, mean: probed {statistics.mean(on):.1f}, "

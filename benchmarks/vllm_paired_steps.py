@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired_steps import report  # noqa: E402
+from paired_steps import minor_faults, report  # noqa: E402
 from vllm_overhead import DRAIN, build, prompts  # noqa: E402
 
 MODES = ["a/a", "probebus", "probebus-hooks"]
@@ -48,9 +48,9 @@ class StepClock:
         self.worker, self.batch = worker, batch
         self.switch = None
         self.state = True
-        self.steps: list[tuple[bool, float, float]] = []
+        self.steps: list[tuple[bool, float, float, int]] = []  # (probed, wall s, cpu s, minor faults)
         self.starts: list[float] = []  # each decode step's start: the engine's cycle, step to step
-        self._t: tuple[float, float] | None = None
+        self._t: tuple[float, float, int] | None = None
         self._decode = False
         self._orig = (worker.execute_model, worker.sample_tokens)
         worker.execute_model, worker.sample_tokens = self._execute, self._sample
@@ -61,7 +61,7 @@ class StepClock:
 
     def _execute(self, scheduler_output, *args, **kwargs):
         self._decode = scheduler_output.total_num_scheduled_tokens == self.batch  # every request decoding
-        self._t = (time.perf_counter(), time.thread_time())
+        self._t = (time.perf_counter(), time.thread_time(), minor_faults())
         out = self._orig[0](scheduler_output, *args, **kwargs)
         if out is not None:
             self._ended()
@@ -76,9 +76,10 @@ class StepClock:
         if self._t is None:
             return
         wall, cpu = time.perf_counter() - self._t[0], time.thread_time() - self._t[1]
+        faults = minor_faults() - self._t[2]
         self._t = None
         if self._decode and self.switch is not None:
-            self.steps.append((self.state, wall, cpu))
+            self.steps.append((self.state, wall, cpu, faults))
             self.starts.append(time.perf_counter() - wall)
             self.state = not self.state
             self.switch(self.state)
