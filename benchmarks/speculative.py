@@ -18,8 +18,11 @@ Methods (`--methods`, default: the three baselines, HF prompt lookup, n-gram, EA
 `HF assisted` (transformers' assistant_model with the shipped draft model, batch 1), `n-gram`, `EAGLE-3`,
 `EAGLE-3 tree`, `Medusa`, `Medusa tree`, `MTP`, `MTP attn` (DeepSeek-V3's block with attention), `clustered`,
 `DSpark`, `draft model`, `layer skip`, `auto`, `auto, several` (the scheduler choosing per round among EAGLE-3,
-MTP, clustered MTP, DSpark and n-gram), `EAGLE-3 scheduled`, `Medusa scheduled`, `MTP scheduled` (one model
-drafter under the round scheduler, as `probebus generate --drafter default|medusa|mtp` runs it without --fixed);
+MTP, clustered MTP, DSpark and n-gram), `loop compiled, no drafter` and `auto compiled` (compiled=True: every call's
+forwards compiled), `auto (default)` (what `SpeculativeDecoder(model, "auto")` runs: batch-1 calls compiled from its
+second call on, its own cost curves; every other row runs the eager loop), `EAGLE-3 scheduled`, `Medusa scheduled`,
+`MTP scheduled` (one model drafter under the round scheduler, as `probebus generate --drafter default|medusa|mtp`
+runs it without --fixed);
 `all` runs every one. "x loop" is a method's speedup over `loop, no drafter` in the same repeat (when it runs):
 what drafting itself gains. Chains draft a fixed k; trees choose their node
 count per round from the measured cost curve.
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import platform
 import statistics
 import sys
@@ -58,6 +62,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _prompt_sets import SETS, load_sets  # noqa: E402
 
 from decoder import NgramDrafter, RemoteEagle, SpeculativeDecoder, load_drafter, load_named_drafter  # noqa: E402
+
+# Every row but the compiled ones and `auto (default)` runs the eager loop (compiled=False), as each did before the
+# default became compiled="auto" (batch-1 calls compiled from a decoder's second call on).
+Eager = functools.partial(SpeculativeDecoder, compiled=False)
 from decoder.forward._compiled import CompiledForward  # noqa: E402
 from decoder.loop import AUTO_K, FIXED_K, oracle_bound, simulated_seconds  # noqa: E402
 from decoder.schedule import CostModel, PathChoice, Scheduler  # noqa: E402
@@ -85,7 +93,8 @@ NAMED = {"Medusa": "medusa", "Medusa tree": "medusa", "MTP": "mtp", "MTP attn": 
 ALL = ["plain", "HF compiled", "loop, no drafter", "HF prompt lookup", "HF assisted", "n-gram", "EAGLE-3",
        "EAGLE-3 tree", "Medusa", "Medusa tree",
        "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several",
-       "loop compiled, no drafter", "auto compiled", "EAGLE-3 scheduled", "Medusa scheduled", "MTP scheduled"]
+       "loop compiled, no drafter", "auto compiled", "auto (default)", "EAGLE-3 scheduled", "Medusa scheduled",
+       "MTP scheduled"]
 # A/B runs, named, never in 'all': the packed weights (LM head only, none), and n-gram trees (loop/_ngram_tree.py)
 AB = ["plain, inference mode",  # `generate` under the decoder's inference mode: what the mode alone is worth
       "n-gram, packed=head", "auto, packed=head", "n-gram, packed=none", "auto, packed=none", "n-gram tree",
@@ -129,15 +138,15 @@ def _make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr
     if name.endswith(" scheduled") and name != "n-gram scheduled":  # one model drafter, the round scheduler
         base = name.removesuffix(" scheduled")  # (what `probebus generate --drafter NAME` runs without --fixed)
         d = drafter if base == "EAGLE-3" else load_named_drafter(NAMED[base], model)
-        return SpeculativeDecoder(model, d, k=k, cost=cost)
+        return Eager(model, d, k=k, cost=cost)
     if name in NAMED:
         d = drafter if name == "EAGLE-3 tree" else load_named_drafter(NAMED[name], model)
-        return SpeculativeDecoder(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
+        return Eager(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
     if ", packed=" in name:  # A/B of the packed weights (decoder/forward/_packed.py): the LM head only, or F.linear
         packed = name.split("=")[1]
         own = CostModel.for_target(model, refresh=True, packed=packed)
         d = NgramDrafter() if name.startswith("n-gram") else "auto"
-        spec = SpeculativeDecoder(model, d, model_drafter=None if name.startswith("n-gram") else drafter, k=k,
+        spec = Eager(model, d, model_drafter=None if name.startswith("n-gram") else drafter, k=k,
                                   schedule="fixed" if name.startswith("n-gram") else "auto", cost=own,
                                   packed=packed)
         # Its own curve, measured now (a seeded call leaves the path choice alone): the shared curve of the
@@ -152,23 +161,25 @@ def _make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr
         auto = name == "auto compiled"
         return SpeculativeDecoder(model, "auto" if auto else None, model_drafter=drafter if auto else None, k=k,
                                   cost=OTHER["compiled"], compiled=True)
+    if name == "auto (default)":  # what `SpeculativeDecoder(model, "auto")` runs: its own curves, measured fully
+        return SpeculativeDecoder(model, "auto", model_drafter=drafter, k=k, refresh_cost=True)
     if name == "loop, no drafter":  # what the loop's own steps are worth against `generate`, nothing drafted
-        return SpeculativeDecoder(model, None, cost=cost)
+        return Eager(model, None, cost=cost)
     if name == "n-gram":
-        return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule="fixed", cost=cost)
+        return Eager(model, NgramDrafter(), k=k, schedule="fixed", cost=cost)
     if name in ("n-gram tree", "n-gram scheduled"):  # n-gram alone, scheduled, with and without its trees
-        return SpeculativeDecoder(model, NgramDrafter(), k=k, cost=cost, ngram_tree=12 if name == "n-gram tree" else 0)
+        return Eager(model, NgramDrafter(), k=k, cost=cost, ngram_tree=12 if name == "n-gram tree" else 0)
     if name == "auto, chains":
-        return SpeculativeDecoder(model, "auto", model_drafter=drafter, k=k, cost=cost, ngram_tree=0)
+        return Eager(model, "auto", model_drafter=drafter, k=k, cost=cost, ngram_tree=0)
     if name == "EAGLE-3":
-        return SpeculativeDecoder(model, drafter, k=k, schedule="fixed", cost=cost)
+        return Eager(model, drafter, k=k, schedule="fixed", cost=cost)
     if name == "EAGLE-3 remote":
-        return SpeculativeDecoder(model, RemoteEagle(remote_addr, timeout=120), k=k, schedule="fixed", cost=cost)
+        return Eager(model, RemoteEagle(remote_addr, timeout=120), k=k, schedule="fixed", cost=cost)
     if name == "auto":
-        return SpeculativeDecoder(model, "auto", model_drafter=drafter, k=k, cost=cost)
+        return Eager(model, "auto", model_drafter=drafter, k=k, cost=cost)
     if name == "auto, several":  # the scheduler weighs EAGLE-3, MTP, clustered MTP, DSpark and n-gram per round
         several = [drafter] + [load_named_drafter(n, model) for n in ("mtp", "clustered", "dspark")]
-        return SpeculativeDecoder(model, "auto", model_drafter=several, k=k, cost=cost)
+        return Eager(model, "auto", model_drafter=several, k=k, cost=cost)
     raise ValueError(name)
 
 
@@ -282,7 +293,7 @@ def compiled_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def oracle(model, tok, prompts: list[str], batch: int, temp: float, args, drafter, cost) -> dict:
-    spec = SpeculativeDecoder(model, "auto", model_drafter=drafter, k=args.k, cost=cost)
+    spec = Eager(model, "auto", model_drafter=drafter, k=args.k, cost=cost)
     o_sec = p_sec = auto_sec = 0.0
     tau_num = tau_den = 0.0
     try:

@@ -77,19 +77,18 @@ def load_target(args: argparse.Namespace,
 
 def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: bool = False,
                  endpoint: str | None = None, refresh_cost: bool = False,
-                 tree: int | None = None, compiled: bool = False) -> SpeculativeDecoder:
-    """The decoder for a --drafter value; raises DrafterError for a bad drafter. `compiled`: the loop's forwards
-    run compiled (`--compiled`), on a cost curve measured on them."""
+                 tree: int | None = None, compiled: bool | str = "auto") -> SpeculativeDecoder:
+    """The decoder for a --drafter value; raises DrafterError for a bad drafter. `compiled`: as the decoder's
+    (`--compiled` True: every call's forwards compiled; `--eager` False; "auto": batch-1 calls from the second)."""
     from decoder import DrafterError, NgramDrafter, SpeculativeDecoder, load_drafter, load_named_drafter, tree_nodes
-    from decoder.forward._compiled import CompiledForward
-    from decoder.schedule import CostModel
 
-    new_decoder = functools.partial(SpeculativeDecoder, compiled=compiled)  # every decoder below
+    # every decoder below: its own cost curves (eager and compiled forwards, `SpeculativeDecoder.cost_for`)
+    new_decoder = functools.partial(SpeculativeDecoder, compiled=compiled, refresh_cost=refresh_cost)
 
     schedule = "fixed" if fixed else "auto"
     if drafter == "none":
         return new_decoder(model, None, k=k)
-    cost = CostModel.for_target(model, refresh=refresh_cost, compiled=CompiledForward.of(model) if compiled else None)
+    cost = None
     if endpoint is not None and drafter == "ngram":
         raise UsageError("--endpoint: the n-gram drafter runs without a probe session; use --drafter default or "
                          "auto to get one")
@@ -185,7 +184,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 raise UsageError("--plot needs matplotlib: pip install 'probebus[plot]'")
         model, tok = load_target(args)
         spec = make_decoder(model, args.drafter, args.k, fixed=args.fixed, endpoint=args.endpoint,
-                            refresh_cost=args.refresh_cost, tree=args.tree, compiled=args.compiled)
+                            refresh_cost=args.refresh_cost, tree=args.tree,
+                            compiled=True if args.compiled else False if args.eager else "auto")
     except (UsageError, DrafterError, FileNotFoundError) as exc:
         return _fail("generate", exc)
     if spec.endpoint is not None:

@@ -143,6 +143,28 @@ def test_a_longer_prompt_runs_the_graphs_compiled_before(model: torch.nn.Module)
     assert_same_or_near_tie(model, out.sequences, want, torch.ones_like(long_))
 
 
+def test_the_default_compiles_batch_1_calls_from_the_second_on(model: torch.nn.Module, monkeypatch) -> None:
+    """compiled="auto" (the default): a decoder's first call runs eagerly (a one-off call pays no compile), its
+    later batch-1 calls compiled, batch 3 eagerly; each way on its own cost curve; PROBEBUS_COMPILED=0 opts out."""
+    monkeypatch.delenv("PROBEBUS_COMPILED", raising=False)
+    one, three = left_padded(PROMPTS[:1]), left_padded(PROMPTS[:3])
+    with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed") as spec:
+        ran = []
+        for ids, mask in (one, one, three, one):
+            spec.generate(ids, mask, max_new_tokens=6, pad_token_id=PAD)
+            ran.append((spec.static, spec.cost.key))
+        eager_key, compiled_key = ran[0][1], ran[1][1]
+        assert [static for static, _ in ran] == [False, True, False, True]
+        assert eager_key != compiled_key and ran[2][1] == eager_key and ran[3][1] == compiled_key
+    monkeypatch.setenv("PROBEBUS_COMPILED", "0")
+    with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed") as spec:
+        for _ in range(2):
+            spec.generate(*one, max_new_tokens=6, pad_token_id=PAD)
+            assert not spec.static
+    with pytest.raises(ValueError, match="compiled must be"):
+        SpeculativeDecoder(model, None, compiled="yes")
+
+
 def test_compiled_loop_follows_weights_changed_between_calls(model: torch.nn.Module) -> None:
     """The compiled graphs read packed copies of the linear layers (`packed_linear`): a weight changed between two
     calls is packed again, and the second call still equals `generate` of the changed model."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +53,7 @@ log = logging.getLogger("decoder")
 # exactly k every round, where 5 stays the better length (measured: docs/design.md, "Decoder: measurements behind
 # the code").
 AUTO_K, FIXED_K = 8, 5
+COMPILED_ENV = "PROBEBUS_COMPILED"  # "0": compiled="auto" means never (a process's opt-out; the test suite's)
 
 ModelDrafter = Eagle3Drafter | Feeder
 
@@ -85,15 +87,23 @@ class SpeculativeDecoder:
                  k: int | None = None, ngram: NgramDrafter | None = None,
                  model_drafter: ModelDrafter | list[ModelDrafter] | None = None, endpoint: str | None = None,
                  schedule: str = "auto", cost: CostModel | None = None, tree: int = 0, tree_top_k: int = 4,
-                 packed: str = "all", ngram_tree: int = 12, compiled: bool = False) -> None:
+                 packed: str = "all", ngram_tree: int = 12, compiled: bool | str = "auto",
+                 refresh_cost: bool = False) -> None:
         if schedule not in ("auto", "fixed"):
             raise ValueError(f"schedule must be 'auto' or 'fixed', got {schedule!r}")
+        if compiled not in (True, False, "auto"):
+            raise ValueError(f"compiled must be True, False or 'auto', got {compiled!r}")
+        if compiled == "auto" and os.environ.get(COMPILED_ENV, "1") == "0":
+            compiled = False  # (the process opts out: PROBEBUS_COMPILED=0)
         if k is None:
             k = FIXED_K if schedule == "fixed" else AUTO_K
         if k < 1:
             raise ValueError(f"k (the longest draft) must be >= 1, got {k}")
         self.k = k
-        self.target = Target(target, packed, session=None, compiled=compiled)
+        self.target = Target(target, packed, session=None, compiled=compiled is not False)
+        self.compiled = compiled
+        self.calls = 0  # calls made: "auto" compiles from the second batch-1 call on (`compiles`)
+        self.static = False  # whether the current (or last) call runs compiled
         if drafter == "auto":
             if model_drafter is None:
                 from ..drafters import DrafterError, load_drafter
@@ -119,9 +129,11 @@ class SpeculativeDecoder:
         # `generate`, another decoder, a compiled graph traced now), and its forwards are not this decoder's to publish
         self.target.capture(False)
         self.sched = self.drafters.scheds[0]  # the first model drafter's scheduler state (or n-gram's alone)
-        packed_kind = self.target.packed.kind if self.target.packed is not None else "none"
-        self.cost = cost if cost is not None else CostModel.for_target(target, packed=packed_kind,
-                                                                       compiled=self.target.compiled)
+        # the cost curves: the one given (every call), else one of the eager forwards and one of the compiled
+        # ones, each made when a call first runs that way (`cost_for`)
+        self._given_cost, self._costs = cost, {}
+        self._refresh_cost = refresh_cost
+        self.cost = self.cost_for(False if compiled == "auto" else self.target.compiled is not None)
         if ngram_tree < 0:
             raise ValueError(f"ngram_tree (most nodes of an n-gram tree) must be >= 0, got {ngram_tree}")
         self.ngram_tree = ngram_tree if self.ngram is not None and schedule == "auto" else 0
@@ -134,6 +146,30 @@ class SpeculativeDecoder:
             raise ValueError("tree drafts need the drafter in this process (Eagle3Drafter or MedusaFeeder)")
         self.tree, self.tree_top_k = tree, tree_top_k
         self.has_drafter = len(self.drafters) > 0 or self.ngram is not None  # False: every round is a plain step
+
+    def compiles(self, batch: int) -> bool:
+        """Whether a call of `batch` rows runs its forwards compiled over a static cache (`forward/_compiled.py`):
+        compiled=True always, False never; "auto" (the default) batch-1 calls from the decoder's second call on.
+        Why not at batch 8: attending over the static cache's whole capacity, the compiled loop ran 0.81x the eager
+        one there. Why not a first call: it compiles every graph the call may run (30-37 s for auto on the default
+        model with Inductor's disk cache warm, 162 s cold, against 0.1 s eager), so a one-off call (a CLI prompt)
+        stays quick and a decoder that is reused pays it once (docs/design.md, "The speculative loop on a compiled
+        target")."""
+        if self.target.compiled is None or self.compiled is False:
+            return False
+        return self.compiled is True or (batch == 1 and self.calls > 0)
+
+    def cost_for(self, compiled: bool) -> CostModel:
+        """The cost curve of the loop's eager or compiled forwards (the one given to the constructor for both)."""
+        if self._given_cost is not None:
+            return self._given_cost
+        own = self._costs.get(compiled)
+        if own is None:
+            packed_kind = self.target.packed.kind if self.target.packed is not None else "none"
+            own = self._costs[compiled] = CostModel.for_target(
+                self.target.model, packed=packed_kind, refresh=self._refresh_cost,
+                compiled=self.target.compiled if compiled else None)
+        return own
 
     def path_key(self, batch: int, temperature: float) -> tuple:
         """Whose calls `cost.paths` compares: this batch, greedy or sampling, and this decoder's drafters."""
@@ -170,6 +206,10 @@ class SpeculativeDecoder:
         """Greedy output equals `target.generate(do_sample=False)`; sampling follows the target's distribution
         exactly. `streamer` takes transformers' streamer interface (put(ids), end()); batch 1 only."""
         t0 = time.perf_counter()
+        self.static = self.compiles(input_ids.shape[0])  # this call's forwards: compiled, or eager
+        if self._given_cost is None:  # (a given curve serves every call, as given or as set on `cost` since)
+            self.cost = self.cost_for(self.static)
+        self.calls += 1
         key = self.path_key(input_ids.shape[0], temperature)
         auto = not self.sched.fixed and seed is None and self.has_drafter
         whole = auto and self._chooses_calls(input_ids.shape[0], temperature)
@@ -241,7 +281,7 @@ class SpeculativeDecoder:
         run = Run(input_ids, attention_mask, max_new_tokens=max_new_tokens, k=self.k, eos=eos_list(eos),
                   device=param.device, scheds=scheds, dtype=param.dtype, temperature=temperature, top_k=top_k,
                   top_p=top_p, seed=seed, streamer=streamer, drafting=drafting, model_drafters=model_drafters)
-        if self.target.compiled is not None:  # a static cache, unless a drafter reads the cache as it grows
+        if self.static:  # a static cache, unless a drafter reads the cache as it grows
             binds = run.model_drafters and any(hasattr(sl.feeder, "bind_run") for sl in self.drafters.slots)
             # the mask's columns (prompt, new tokens, a round's drafts) and a tree's nodes; more grows it
             run.cache = self.target.new_cache(run.b, run.mask.shape[1] + max(self.tree, self.ngram_tree) + 1,
