@@ -74,12 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "as PNGs into DIR (needs the plot extra: pip install 'probebus[plot]')")
     p.add_argument("--refresh-cost", action="store_true", help="measure this machine's cost curve again instead "
                    "of using the cached one")
-    how = p.add_mutually_exclusive_group()
-    how.add_argument("--compiled", action="store_true", help="run every call's forwards compiled (torch.compile over "
-                     "a static KV cache), the first call too (it compiles them first). Default: batch-1 prompts from "
-                     "the second on (--prompts FILE), the first eagerly")
-    how.add_argument("--eager", action="store_true", help="never compile the target's forwards (PROBEBUS_COMPILED=0 "
-                     "does the same for every decoder of a process)")
+    p.add_argument("--compiled", nargs="?", const="always", choices=["always", "auto"], default=None,
+                   help="run the target's forwards compiled (torch.compile over a static KV cache): 'always' (the "
+                   "default of the flag) every prompt, the first one compiling them; 'auto' batch-1 prompts from the "
+                   "second on (--prompts FILE). Without it the forwards run eagerly")
     p.set_defaults(func=_cmd_generate)
 
     t = sub.add_parser("train-drafter", help="train a drafter (EAGLE-3, Medusa, MTP, DSpark, layer skip) from a "

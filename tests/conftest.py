@@ -17,8 +17,4 @@ torch.set_num_threads(1)
 # directory go to folders of this run (subprocesses inherit them).
 os.environ.setdefault("PROBEBUS_CACHE_DIR", tempfile.mkdtemp(prefix="probebus-test-cache-"))
 os.environ.setdefault("PROBEBUS_RUNTIME_DIR", tempfile.mkdtemp(prefix="probebus-test-run-"))
-# A decoder's default (compiled="auto") compiles its batch-1 forwards from its second call on: every decoder of the
-# suite would compile a dozen graphs. Here it means eager; the compiled loop is tested with compiled=True
-# (tests/test_decoder_compiled.py), and the default's choice there too, with this variable removed.
-os.environ.setdefault("PROBEBUS_COMPILED", "0")
 sys.path.insert(0, os.path.dirname(__file__))

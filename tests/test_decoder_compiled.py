@@ -143,12 +143,11 @@ def test_a_longer_prompt_runs_the_graphs_compiled_before(model: torch.nn.Module)
     assert_same_or_near_tie(model, out.sequences, want, torch.ones_like(long_))
 
 
-def test_the_default_compiles_batch_1_calls_from_the_second_on(model: torch.nn.Module, monkeypatch) -> None:
-    """compiled="auto" (the default): a decoder's first call runs eagerly (a one-off call pays no compile), its
-    later batch-1 calls compiled, batch 3 eagerly; each way on its own cost curve; PROBEBUS_COMPILED=0 opts out."""
-    monkeypatch.delenv("PROBEBUS_COMPILED", raising=False)
+def test_compiled_auto_compiles_batch_1_calls_from_the_second_on(model: torch.nn.Module) -> None:
+    """compiled="auto": a decoder's first call runs eagerly (a one-off call pays no compile), its later batch-1
+    calls compiled, batch 3 eagerly, each way on its own cost curve; the default never compiles."""
     one, three = left_padded(PROMPTS[:1]), left_padded(PROMPTS[:3])
-    with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed") as spec:
+    with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed", compiled="auto") as spec:
         ran = []
         for ids, mask in (one, one, three, one):
             spec.generate(ids, mask, max_new_tokens=6, pad_token_id=PAD)
@@ -156,7 +155,6 @@ def test_the_default_compiles_batch_1_calls_from_the_second_on(model: torch.nn.M
         eager_key, compiled_key = ran[0][1], ran[1][1]
         assert [static for static, _ in ran] == [False, True, False, True]
         assert eager_key != compiled_key and ran[2][1] == eager_key and ran[3][1] == compiled_key
-    monkeypatch.setenv("PROBEBUS_COMPILED", "0")
     with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed") as spec:
         for _ in range(2):
             spec.generate(*one, max_new_tokens=6, pad_token_id=PAD)

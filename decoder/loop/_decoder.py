@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +52,6 @@ log = logging.getLogger("decoder")
 # exactly k every round, where 5 stays the better length (measured: docs/design.md, "Decoder: measurements behind
 # the code").
 AUTO_K, FIXED_K = 8, 5
-COMPILED_ENV = "PROBEBUS_COMPILED"  # "0": compiled="auto" means never (a process's opt-out; the test suite's)
 
 ModelDrafter = Eagle3Drafter | Feeder
 
@@ -87,14 +85,12 @@ class SpeculativeDecoder:
                  k: int | None = None, ngram: NgramDrafter | None = None,
                  model_drafter: ModelDrafter | list[ModelDrafter] | None = None, endpoint: str | None = None,
                  schedule: str = "auto", cost: CostModel | None = None, tree: int = 0, tree_top_k: int = 4,
-                 packed: str = "all", ngram_tree: int = 12, compiled: bool | str = "auto",
+                 packed: str = "all", ngram_tree: int = 12, compiled: bool | str = False,
                  refresh_cost: bool = False) -> None:
         if schedule not in ("auto", "fixed"):
             raise ValueError(f"schedule must be 'auto' or 'fixed', got {schedule!r}")
         if compiled not in (True, False, "auto"):
             raise ValueError(f"compiled must be True, False or 'auto', got {compiled!r}")
-        if compiled == "auto" and os.environ.get(COMPILED_ENV, "1") == "0":
-            compiled = False  # (the process opts out: PROBEBUS_COMPILED=0)
         if k is None:
             k = FIXED_K if schedule == "fixed" else AUTO_K
         if k < 1:
@@ -149,12 +145,12 @@ class SpeculativeDecoder:
 
     def compiles(self, batch: int) -> bool:
         """Whether a call of `batch` rows runs its forwards compiled over a static cache (`forward/_compiled.py`):
-        compiled=True always, False never; "auto" (the default) batch-1 calls from the decoder's second call on.
-        Why not at batch 8: attending over the static cache's whole capacity, the compiled loop ran 0.81x the eager
-        one there. Why not a first call: it compiles every graph the call may run (30-37 s for auto on the default
-        model with Inductor's disk cache warm, 162 s cold, against 0.1 s eager), so a one-off call (a CLI prompt)
-        stays quick and a decoder that is reused pays it once (docs/design.md, "The speculative loop on a compiled
-        target")."""
+        compiled=True always, False (the default) never, "auto" batch-1 calls from the decoder's second call on.
+        Why "auto" skips batch 8: attending over the static cache's whole capacity, the compiled loop ran 0.81x the
+        eager one there. Why it skips a first call: that call compiles every graph it may run (30-37 s for auto on
+        the default model with Inductor's disk cache warm, 162 s cold, against 0.1 s eager), so a one-off call stays
+        quick and a decoder that is reused pays it once. Why none of it is the default: on this project's CPU the
+        compiled loop did not beat the eager one (docs/design.md, "The speculative loop on a compiled target")."""
         if self.target.compiled is None or self.compiled is False:
             return False
         return self.compiled is True or (batch == 1 and self.calls > 0)
