@@ -74,10 +74,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "as PNGs into DIR (needs the plot extra: pip install 'probebus[plot]')")
     p.add_argument("--refresh-cost", action="store_true", help="measure this machine's cost curve again instead "
                    "of using the cached one")
-    p.add_argument("--compiled", nargs="?", const="always", choices=["always", "auto"], default=None,
-                   help="run the target's forwards compiled (torch.compile over a static KV cache): 'always' (the "
-                   "default of the flag) every prompt, the first one compiling them; 'auto' batch-1 prompts from the "
-                   "second on (--prompts FILE). Without it the forwards run eagerly")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--compiled", action="store_true", help="run the target's forwards compiled (torch.compile "
+                     "over a static KV cache) for every prompt; the first one compiles them first")
+    how.add_argument("--compiled-auto", action="store_true", help="the first prompt eagerly, later batch-1 prompts "
+                     "(--prompts FILE) compiled")
     p.set_defaults(func=_cmd_generate)
 
     t = sub.add_parser("train-drafter", help="train a drafter (EAGLE-3, Medusa, MTP, DSpark, layer skip) from a "

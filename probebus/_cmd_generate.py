@@ -75,11 +75,16 @@ def load_target(args: argparse.Namespace,
     return model.to(dev), tok
 
 
+def compile_mode(args: argparse.Namespace) -> bool | str:
+    """The decoder's `compiled` for `--compiled` (True), `--compiled-auto` ("auto") or neither (False)."""
+    return True if args.compiled else "auto" if args.compiled_auto else False
+
+
 def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: bool = False,
                  endpoint: str | None = None, refresh_cost: bool = False,
                  tree: int | None = None, compiled: bool | str = False) -> SpeculativeDecoder:
     """The decoder for a --drafter value; raises DrafterError for a bad drafter. `compiled`: as the decoder's
-    (`--compiled` True: every call's forwards compiled; `--compiled auto`: batch-1 calls from the second)."""
+    (`--compiled` True: every call's forwards compiled; `--compiled-auto`: batch-1 calls from the second)."""
     from decoder import DrafterError, NgramDrafter, SpeculativeDecoder, load_drafter, load_named_drafter, tree_nodes
 
     # every decoder below: its own cost curves (eager and compiled forwards, `SpeculativeDecoder.cost_for`)
@@ -185,7 +190,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model, tok = load_target(args)
         spec = make_decoder(model, args.drafter, args.k, fixed=args.fixed, endpoint=args.endpoint,
                             refresh_cost=args.refresh_cost, tree=args.tree,
-                            compiled={None: False, "always": True, "auto": "auto"}[args.compiled])
+                            compiled=compile_mode(args))
     except (UsageError, DrafterError, FileNotFoundError) as exc:
         return _fail("generate", exc)
     if spec.endpoint is not None:

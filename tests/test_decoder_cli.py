@@ -85,3 +85,19 @@ def test_every_option_has_help_text() -> None:
     for name in ("generate", "train-drafter", "serve-drafter"):
         bare = [a.option_strings for a in sub.choices[name]._actions if a.option_strings and not a.help]
         assert not bare, (name, bare)
+
+
+@pytest.mark.parametrize(("flags", "compiled"), [([], False), (["--compiled"], True), (["--compiled-auto"], "auto")])
+def test_compile_flags_reach_the_decoder(flags: list[str], compiled: object) -> None:
+    """--compiled and --compiled-auto reach the decoder as compiled=True / "auto"; without them the loop runs
+    eagerly; the two exclude each other."""
+    from probebus._cmd_generate import compile_mode, make_decoder
+    from probebus._load import load_model
+    from probebus.cli import build_parser
+
+    args = build_parser().parse_args(["generate", *flags, "--prompt", "def f(x):"])
+    model, _ = load_model("default")
+    with make_decoder(model, "ngram", None, compiled=compile_mode(args)) as spec:
+        assert spec.compiled == compiled and spec.compiles(1) is (compiled is True)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--compiled", "--compiled-auto", "--prompt", "x"])
