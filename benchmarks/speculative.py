@@ -62,14 +62,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _prompt_sets import SETS, load_sets  # noqa: E402
 
 from decoder import NgramDrafter, RemoteEagle, SpeculativeDecoder, load_drafter, load_named_drafter  # noqa: E402
-
-# Every row but the compiled ones runs the eager loop (compiled=False, the decoder's default), said here so that a
-# change of the default does not change what the rows measure.
-Eager = functools.partial(SpeculativeDecoder, compiled=False)
 from decoder.forward._compiled import CompiledForward  # noqa: E402
 from decoder.loop import AUTO_K, FIXED_K, oracle_bound, simulated_seconds  # noqa: E402
 from decoder.schedule import CostModel, PathChoice, Scheduler  # noqa: E402
 from probebus._load import load_model  # noqa: E402
+
+# Every row but the compiled ones runs the eager loop (compiled=False, the decoder's default), said here so that a
+# change of the default does not change what the rows measure.
+Eager = functools.partial(SpeculativeDecoder, compiled=False)
 
 
 class ForwardCounter:

@@ -93,12 +93,11 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
     schedule = "fixed" if fixed else "auto"
     if drafter == "none":
         return new_decoder(model, None, k=k)
-    cost = None
     if endpoint is not None and drafter == "ngram":
         raise UsageError("--endpoint: the n-gram drafter runs without a probe session; use --drafter default or "
                          "auto to get one")
     if drafter == "ngram":
-        return new_decoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
+        return new_decoder(model, NgramDrafter(), k=k, schedule=schedule)
     if drafter == "auto":  # with --fixed or --tree: EAGLE-3 alone, as `default` was before auto became the default
         try:
             eagle = load_drafter("default", model)
@@ -113,14 +112,12 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
             where = getattr(model.config, "_name_or_path", "") or "the model"
             print(f"probebus generate: no trained drafter beside {where}; drafting with n-gram (train one: probebus "
                   "train-drafter)", file=sys.stderr)
-            return new_decoder(model, NgramDrafter(), k=k, schedule=schedule, cost=cost)
+            return new_decoder(model, NgramDrafter(), k=k, schedule=schedule)
         if fixed or tree:
-            return new_decoder(model, eagle, k=k, schedule=schedule, endpoint=endpoint, cost=cost,
-                                      tree=tree or 0)
-        return new_decoder(model, "auto", model_drafter=eagle, k=k, endpoint=endpoint, cost=cost)
+            return new_decoder(model, eagle, k=k, schedule=schedule, endpoint=endpoint, tree=tree or 0)
+        return new_decoder(model, "auto", model_drafter=eagle, k=k, endpoint=endpoint)
     if drafter.startswith(REMOTE):
-        return new_decoder(model, _remote(drafter), k=k, schedule=schedule, endpoint=endpoint, cost=cost,
-                                  tree=0)
+        return new_decoder(model, _remote(drafter), k=k, schedule=schedule, endpoint=endpoint, tree=0)
     if drafter not in DRAFTER_NAMES and not Path(drafter).is_dir():
         raise UsageError(f"--drafter {drafter!r}: not a name ({', '.join(DRAFTER_NAMES)}) nor a folder, nor a "
                          "served drafter's address (tcp://HOST:PORT or ipc://PATH, from probebus serve-drafter)")
@@ -135,7 +132,7 @@ def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: 
                          "--drafter default, medusa or auto to get one")
     nodes = tree_nodes(drafter) if tree is None else tree
     try:
-        return new_decoder(model, loaded, k=k, schedule=schedule, endpoint=endpoint, cost=cost, tree=nodes)
+        return new_decoder(model, loaded, k=k, schedule=schedule, endpoint=endpoint, tree=nodes)
     except ValueError as exc:  # a tree for a drafter that cannot grow one
         raise UsageError(f"--drafter {drafter}: {exc}") from None
 

@@ -66,7 +66,7 @@ def record(model, tok, prompts: list[str], folder: Path, new_tokens: int, batch:
 def evaluate(model, tok, drafter, prompts: list[str], new_tokens: int, k: int,
              temperature: float = 0.0) -> dict:
     taus, fwd, emitted = [], 0, 0
-    with SpeculativeDecoder(model, drafter, k=k, schedule="fixed", compiled=False) as spec:
+    with SpeculativeDecoder(model, drafter, k=k, schedule="fixed") as spec:
         for i, p in enumerate(prompts):
             enc = tok([p], return_tensors="pt")
             out = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=new_tokens,

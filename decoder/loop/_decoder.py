@@ -129,7 +129,7 @@ class SpeculativeDecoder:
         # ones, each made when a call first runs that way (`cost_for`)
         self._given_cost, self._costs = cost, {}
         self._refresh_cost = refresh_cost
-        self.cost = self.cost_for(False if compiled == "auto" else self.target.compiled is not None)
+        self.cost = self.cost_for(self.compiles(1))  # (a first call's: before it, no call has run)
         if ngram_tree < 0:
             raise ValueError(f"ngram_tree (most nodes of an n-gram tree) must be >= 0, got {ngram_tree}")
         self.ngram_tree = ngram_tree if self.ngram is not None and schedule == "auto" else 0
@@ -288,7 +288,7 @@ class SpeculativeDecoder:
                 lengths = [1, *range(2, max(longest, default=1) + 1)]
                 # with a model drafter the probes stay on through most rounds (n-gram's and trees' too): every
                 # length gets its graph with the taps in as well
-                self.target.warm(run, lengths, tapped=len(lengths) if run.model_drafters else 0)
+                self.target.warm(run, lengths, tapped=run.model_drafters)
                 run.setup_s += time.perf_counter() - t_warm
         for sc in run.scheds:
             sc.new_call()

@@ -69,16 +69,16 @@ class Target:
             return self.compiled.new_cache(batch, columns)
         return GrowingCache(capacity=columns + 64)  # a tree's nodes fit too (`forward/_kv.py`)
 
-    def warm(self, run: Run, lengths: list[int], tapped: int) -> None:
+    def warm(self, run: Run, lengths: list[int], tapped: bool) -> None:
         """Compile the graphs a call on its static cache may run, before its first round (a round would otherwise
         pay a compile, and judge drafting by it): `lengths` without taps (the probes off, as `forward` runs them),
-        and with a probe session the first `tapped` of them with the taps in (their captures marked invalid)."""
+        and with a probe session and `tapped` the same lengths with the taps in (their captures marked invalid)."""
         self.capture(False)
         self.compiled.warm(run.b, run.cache.capacity, lengths, self.cache_kw)
         if tapped and self.session is not None:
             self.capture(True)
             with self.quiet(run, reads_features=False):
-                self.compiled.warm(run.b, run.cache.capacity, lengths[:tapped], self.cache_kw, tapped=True)
+                self.compiled.warm(run.b, run.cache.capacity, lengths, self.cache_kw, tapped=True)
             self.capture(False)
 
     def forward(self, run: Run, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
