@@ -20,7 +20,9 @@ Methods (`--methods`, default: the three baselines, HF prompt lookup, n-gram, EA
 `DSpark`, `draft model`, `layer skip`, `auto`, `auto, several` (the scheduler choosing per round among EAGLE-3,
 MTP, clustered MTP, DSpark and n-gram), `loop compiled, no drafter` and `auto compiled` (compiled=True: every call's
 forwards compiled), `auto, compiled=auto` (batch-1 calls compiled from the decoder's second call on, its own cost
-curves; every other row runs the eager loop), `EAGLE-3 scheduled`, `Medusa scheduled`,
+curves), `loop eager, no drafter` and `auto, eager` (compiled=False: nothing compiled; every other row runs the
+decoder's default, compiled="plain": a batch-1 call's plain steps on one compiled graph from a decoder's second
+call on), `EAGLE-3 scheduled`, `Medusa scheduled`,
 `MTP scheduled` (one model drafter under the round scheduler, as `probebus generate --drafter default|medusa|mtp`
 runs it without --fixed);
 `all` runs every one. "x loop" is a method's speedup over `loop, no drafter` in the same repeat (when it runs):
@@ -67,8 +69,8 @@ from decoder.loop import AUTO_K, FIXED_K, oracle_bound, simulated_seconds  # noq
 from decoder.schedule import CostModel, PathChoice, Scheduler  # noqa: E402
 from probebus._load import load_model  # noqa: E402
 
-# Every row but the compiled ones runs the eager loop (compiled=False, the decoder's default), said here so that a
-# change of the default does not change what the rows measure.
+# Rows run the decoder's default (compiled="plain": a batch-1 call's plain steps on the compiled one-token graph from
+# a decoder's second call on) unless their name says otherwise; the `eager` rows turn every compile off.
 Eager = functools.partial(SpeculativeDecoder, compiled=False)
 
 
@@ -94,7 +96,7 @@ ALL = ["plain", "HF compiled", "loop, no drafter", "HF prompt lookup", "HF assis
        "EAGLE-3 tree", "Medusa", "Medusa tree",
        "MTP", "MTP attn", "clustered", "DSpark", "draft model", "layer skip", "auto", "auto, several",
        "loop compiled, no drafter", "auto compiled", "auto, compiled=auto", "EAGLE-3 scheduled", "Medusa scheduled",
-       "MTP scheduled"]
+       "MTP scheduled", "loop eager, no drafter", "auto, eager"]
 # A/B runs, named, never in 'all': the packed weights (LM head only, none), and n-gram trees (loop/_ngram_tree.py)
 AB = ["plain, inference mode",  # `generate` under the decoder's inference mode: what the mode alone is worth
       "n-gram, packed=head", "auto, packed=head", "n-gram, packed=none", "auto, packed=none", "n-gram tree",
@@ -138,15 +140,15 @@ def _make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr
     if name.endswith(" scheduled") and name != "n-gram scheduled":  # one model drafter, the round scheduler
         base = name.removesuffix(" scheduled")  # (what `probebus generate --drafter NAME` runs without --fixed)
         d = drafter if base == "EAGLE-3" else load_named_drafter(NAMED[base], model)
-        return Eager(model, d, k=k, cost=cost)
+        return SpeculativeDecoder(model, d, k=k, cost=cost)
     if name in NAMED:
         d = drafter if name == "EAGLE-3 tree" else load_named_drafter(NAMED[name], model)
-        return Eager(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
+        return SpeculativeDecoder(model, d, k=k, schedule="fixed", cost=cost, tree=24 if "tree" in name else 0)
     if ", packed=" in name:  # A/B of the packed weights (decoder/forward/_packed.py): the LM head only, or F.linear
         packed = name.split("=")[1]
         own = CostModel.for_target(model, refresh=True, packed=packed)
         d = NgramDrafter() if name.startswith("n-gram") else "auto"
-        spec = Eager(model, d, model_drafter=None if name.startswith("n-gram") else drafter, k=k,
+        spec = SpeculativeDecoder(model, d, model_drafter=None if name.startswith("n-gram") else drafter, k=k,
                                   schedule="fixed" if name.startswith("n-gram") else "auto", cost=own,
                                   packed=packed)
         # Its own curve, measured now (a seeded call leaves the path choice alone): the shared curve of the
@@ -164,22 +166,26 @@ def _make(name: str, model, drafter, cost: CostModel, k: int | None, remote_addr
     if name == "auto, compiled=auto":  # batch-1 calls compiled from the decoder's second call on, its own curves
         return SpeculativeDecoder(model, "auto", model_drafter=drafter, k=k, refresh_cost=True, compiled="auto")
     if name == "loop, no drafter":  # what the loop's own steps are worth against `generate`, nothing drafted
+        return SpeculativeDecoder(model, None, cost=cost)
+    if name == "loop eager, no drafter":  # ...with nothing compiled (compiled=False)
         return Eager(model, None, cost=cost)
-    if name == "n-gram":
-        return Eager(model, NgramDrafter(), k=k, schedule="fixed", cost=cost)
-    if name in ("n-gram tree", "n-gram scheduled"):  # n-gram alone, scheduled, with and without its trees
-        return Eager(model, NgramDrafter(), k=k, cost=cost, ngram_tree=12 if name == "n-gram tree" else 0)
-    if name == "auto, chains":
-        return Eager(model, "auto", model_drafter=drafter, k=k, cost=cost, ngram_tree=0)
-    if name == "EAGLE-3":
-        return Eager(model, drafter, k=k, schedule="fixed", cost=cost)
-    if name == "EAGLE-3 remote":
-        return Eager(model, RemoteEagle(remote_addr, timeout=120), k=k, schedule="fixed", cost=cost)
-    if name == "auto":
+    if name == "auto, eager":  # the default decoder with nothing compiled (compiled=False)
         return Eager(model, "auto", model_drafter=drafter, k=k, cost=cost)
+    if name == "n-gram":
+        return SpeculativeDecoder(model, NgramDrafter(), k=k, schedule="fixed", cost=cost)
+    if name in ("n-gram tree", "n-gram scheduled"):  # n-gram alone, scheduled, with and without its trees
+        return SpeculativeDecoder(model, NgramDrafter(), k=k, cost=cost, ngram_tree=12 if name == "n-gram tree" else 0)
+    if name == "auto, chains":
+        return SpeculativeDecoder(model, "auto", model_drafter=drafter, k=k, cost=cost, ngram_tree=0)
+    if name == "EAGLE-3":
+        return SpeculativeDecoder(model, drafter, k=k, schedule="fixed", cost=cost)
+    if name == "EAGLE-3 remote":
+        return SpeculativeDecoder(model, RemoteEagle(remote_addr, timeout=120), k=k, schedule="fixed", cost=cost)
+    if name == "auto":
+        return SpeculativeDecoder(model, "auto", model_drafter=drafter, k=k, cost=cost)
     if name == "auto, several":  # the scheduler weighs EAGLE-3, MTP, clustered MTP, DSpark and n-gram per round
         several = [drafter] + [load_named_drafter(n, model) for n in ("mtp", "clustered", "dspark")]
-        return Eager(model, "auto", model_drafter=several, k=k, cost=cost)
+        return SpeculativeDecoder(model, "auto", model_drafter=several, k=k, cost=cost)
     raise ValueError(name)
 
 
@@ -293,7 +299,7 @@ def compiled_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def oracle(model, tok, prompts: list[str], batch: int, temp: float, args, drafter, cost) -> dict:
-    spec = Eager(model, "auto", model_drafter=drafter, k=args.k, cost=cost)
+    spec = SpeculativeDecoder(model, "auto", model_drafter=drafter, k=args.k, cost=cost)
     o_sec = p_sec = auto_sec = 0.0
     tau_num = tau_den = 0.0
     try:
@@ -330,8 +336,9 @@ def condition(model, tok, name: str, prompts: list[str], batch: int, temp: float
         cost.paths = PathChoice()  # hand-over learns nothing from its short calls
         for m in methods:
             runners[m].call(prompts[:b], min(args.new_tokens, 8), every)
-        if "auto, compiled=auto" in runners:  # its second call compiles (batch 1): what a reused decoder pays once
-            runners["auto, compiled=auto"].call(prompts[:b], min(args.new_tokens, 8), every)
+        for r in every:  # a second call compiles (batch 1; "plain": where its plain steps may run): paid once
+            if r.spec is not None and r.spec.compiled in ("auto", "plain"):
+                r.call(prompts[:b], min(args.new_tokens, 8), every)
         cost.paths = learned
         # Call by call, in a rotating order: blocks of whole sets drifted apart on this VM (plain ran 114-136
         # tok/s between blocks of one evening), which no ratio of block totals can take out.

@@ -79,6 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "over a static KV cache) for every prompt; the first one compiles them first")
     how.add_argument("--compiled-auto", action="store_true", help="the first prompt eagerly, later batch-1 prompts "
                      "(--prompts FILE) compiled")
+    how.add_argument("--eager", action="store_true", help="nothing compiled (by default, where --prompts holds "
+                     "enough work to repay its compile, the plain steps of batch-1 prompts after the first run on "
+                     "one compiled graph)")
     p.set_defaults(func=_cmd_generate)
 
     t = sub.add_parser("train-drafter", help="train a drafter (EAGLE-3, Medusa, MTP, DSpark, layer skip) from a "

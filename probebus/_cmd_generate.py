@@ -75,14 +75,25 @@ def load_target(args: argparse.Namespace,
     return model.to(dev), tok
 
 
-def compile_mode(args: argparse.Namespace) -> bool | str:
-    """The decoder's `compiled` for `--compiled` (True), `--compiled-auto` ("auto") or neither (False)."""
-    return True if args.compiled else "auto" if args.compiled_auto else False
+# Tokens of plain steps after the first prompt that repay compiling the one-token graph: its compile took 7.7 s
+# with Inductor's disk cache warm (36 s cold) on the default model, and saved ~0.9 ms a plain step (docs/design.md,
+# "The speculative loop on a compiled target").
+PLAIN_PAYBACK = 8192
+
+
+def compile_mode(args: argparse.Namespace, prompts: int = 1) -> bool | str:
+    """The decoder's `compiled` for `--compiled` (True), `--compiled-auto` ("auto"), `--eager` (False), or, with
+    none of them, the decoder's default ("plain") where the run is long enough to repay its compile: batch-1
+    prompts after the first times --max-new-tokens at least PLAIN_PAYBACK. A shorter run stays eager (False)."""
+    if args.compiled or args.compiled_auto or args.eager:
+        return True if args.compiled else "auto" if args.compiled_auto else False
+    batch_1 = args.batch_size == 1 and (prompts - 1) * args.max_new_tokens >= PLAIN_PAYBACK
+    return "plain" if batch_1 else False
 
 
 def make_decoder(model: torch.nn.Module, drafter: str, k: int | None, *, fixed: bool = False,
                  endpoint: str | None = None, refresh_cost: bool = False,
-                 tree: int | None = None, compiled: bool | str = False) -> SpeculativeDecoder:
+                 tree: int | None = None, compiled: bool | str = "plain") -> SpeculativeDecoder:
     """The decoder for a --drafter value; raises DrafterError for a bad drafter. `compiled`: as the decoder's
     (`--compiled` True: every call's forwards compiled; `--compiled-auto`: batch-1 calls from the second)."""
     from decoder import DrafterError, NgramDrafter, SpeculativeDecoder, load_drafter, load_named_drafter, tree_nodes
@@ -187,7 +198,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model, tok = load_target(args)
         spec = make_decoder(model, args.drafter, args.k, fixed=args.fixed, endpoint=args.endpoint,
                             refresh_cost=args.refresh_cost, tree=args.tree,
-                            compiled=compile_mode(args))
+                            compiled=compile_mode(args, len(prompts)))
     except (UsageError, DrafterError, FileNotFoundError) as exc:
         return _fail("generate", exc)
     if spec.endpoint is not None:

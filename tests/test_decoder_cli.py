@@ -87,17 +87,25 @@ def test_every_option_has_help_text() -> None:
         assert not bare, (name, bare)
 
 
-@pytest.mark.parametrize(("flags", "compiled"), [([], False), (["--compiled"], True), (["--compiled-auto"], "auto")])
-def test_compile_flags_reach_the_decoder(flags: list[str], compiled: object) -> None:
-    """--compiled and --compiled-auto reach the decoder as compiled=True / "auto"; without them the loop runs
-    eagerly; the two exclude each other."""
+@pytest.mark.parametrize(("flags", "prompts", "compiled"), [
+    ([], 1, False), ([], 200, "plain"), (["--max-new-tokens", "8"], 200, False),
+    (["--batch-size", "4"], 200, False), (["--compiled"], 1, True), (["--compiled-auto"], 1, "auto"),
+    (["--eager"], 200, False)])
+def test_compile_flags_reach_the_decoder(flags: list[str], prompts: int, compiled: object) -> None:
+    """--compiled, --compiled-auto and --eager reach the decoder as compiled=True / "auto" / False; they exclude each
+    other. Without them, the decoder's default ("plain": its plain steps compiled, from the second call) where
+    the batch-1 prompts after the first hold enough tokens to repay the compile, else eager."""
     from probebus._cmd_generate import compile_mode, make_decoder
     from probebus._load import load_model
     from probebus.cli import build_parser
 
-    args = build_parser().parse_args(["generate", *flags, "--prompt", "def f(x):"])
+    args = build_parser().parse_args(["generate", *flags, "--prompt", "def f(x):"])  # (64 new tokens by default)
     model, _ = load_model("default")
-    with make_decoder(model, "ngram", None, compiled=compile_mode(args)) as spec:
+    with make_decoder(model, "ngram", None, compiled=compile_mode(args, prompts)) as spec:
         assert spec.compiled == compiled and spec.compiles(1) is (compiled is True)
+        spec.calls = 1  # (a second call's view)
+        assert spec.compiles_plain(1) is (compiled is not False)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--compiled", "--compiled-auto", "--prompt", "x"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--compiled", "--eager", "--prompt", "x"])

@@ -5,6 +5,9 @@ when a call outruns it."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from models import PAD, build, left_padded
@@ -145,7 +148,8 @@ def test_a_longer_prompt_runs_the_graphs_compiled_before(model: torch.nn.Module)
 
 def test_compiled_auto_compiles_batch_1_calls_from_the_second_on(model: torch.nn.Module) -> None:
     """compiled="auto": a decoder's first call runs eagerly (a one-off call pays no compile), its later batch-1
-    calls compiled, batch 3 eagerly, each way on its own cost curve; the default never compiles."""
+    calls compiled, batch 3 eagerly, each way on its own cost curve; by default a drafting call's forwards stay
+    eager."""
     one, three = left_padded(PROMPTS[:1]), left_padded(PROMPTS[:3])
     with SpeculativeDecoder(model, NgramDrafter(), k=2, schedule="fixed", compiled="auto") as spec:
         ran = []
@@ -161,6 +165,73 @@ def test_compiled_auto_compiles_batch_1_calls_from_the_second_on(model: torch.nn
             assert not spec.static
     with pytest.raises(ValueError, match="compiled must be"):
         SpeculativeDecoder(model, None, compiled="yes")
+
+
+@contextlib.contextmanager
+def _counted(spec: SpeculativeDecoder) -> Iterator[list[int]]:
+    """A list that grows by one at each call of the target's compiled graphs (the decoder's `CompiledForward`, which
+    every decoder of the model shares: put back after)."""
+    compiled, calls = spec.target.compiled, []
+    inner = compiled.fn
+    compiled.fn = lambda *a, **k: (calls.append(1), inner(*a, **k))[1]
+    try:
+        yield calls
+    finally:
+        compiled.fn = inner
+
+
+def test_plain_steps_run_the_compiled_graph_from_the_second_batch_1_call_on(model: torch.nn.Module) -> None:
+    """By default (compiled="plain") a decoder with nothing to draft steps eagerly in its first call, then on the
+    compiled one-token graph in its later batch-1 calls (batch 3 eagerly); compiled=False never compiles. Every call
+    equals `generate`."""
+    one, three = left_padded(PROMPTS[:1]), left_padded(PROMPTS[:3])
+    with torch.no_grad():
+        want = {b: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                  eos_token_id=None, pad_token_id=PAD) for b, (ids, mask) in ((1, one), (3, three))}
+    with SpeculativeDecoder(model, None) as spec:
+        assert spec.compiled == "plain"
+        ran = []
+        with _counted(spec) as calls:
+            for b, (ids, mask) in ((1, one), (1, one), (3, three), (1, one)):
+                before = len(calls)
+                out = spec.generate(ids, mask, max_new_tokens=12, pad_token_id=PAD)
+                assert_same_or_near_tie(model, out.sequences, want[b], mask)
+                ran.append((spec.static, len(calls) - before))
+    assert [static for static, _ in ran] == [False, True, False, True]
+    assert ran[0][1] == ran[2][1] == 0
+    assert ran[1][1] >= 11 and ran[3][1] >= 11, ran  # every step but the prefill's (eager: the prompt's length)
+    with SpeculativeDecoder(model, None, compiled=False) as spec:
+        for _ in range(2):
+            spec.generate(*one, max_new_tokens=6, pad_token_id=PAD)
+            assert not spec.static and spec.target.compiled is None
+
+
+def test_a_sampled_call_that_loses_hands_its_rest_to_the_compiled_graph(model: torch.nn.Module,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled call that measures itself losing continues as plain steps; from a decoder's second call on they
+    run on the compiled one-token graph, the call's cache copied onto a static one (`StaticLoopCache.load`). Near
+    temperature 0 a sample is the argmax, so every call must equal greedy `generate` across the switch."""
+    from decoder.loop import _plain
+
+    monkeypatch.setattr(_plain, "HAND_OVER_LOSS", 0.0)  # (every sampled call "loses" once it decoded 32 tokens)
+    ids, mask = left_padded(PROMPTS[:1])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=60, do_sample=False,
+                              eos_token_id=None, pad_token_id=PAD)
+    with SpeculativeDecoder(model, NgramDrafter(), k=2) as spec:  # scheduled: calls choose their path
+        outs, ran = [], []
+        with _counted(spec) as calls:
+            for _ in range(3):
+                before = len(calls)
+                outs.append(spec.generate(ids, mask, max_new_tokens=60, temperature=1e-4, pad_token_id=PAD))
+                ran.append(len(calls) - before)
+    # the path choice measures each path once (speculative, then plain), then speculative keeps a call
+    assert [o.stats.path for o in outs] == ["spec", "plain", "spec"]
+    assert outs[0].stats.handed_over > 0 and outs[2].stats.handed_over > 0
+    assert ran[0] == 0, "a decoder's first call compiled"
+    assert ran[1] >= 59 and ran[2] >= outs[2].stats.handover_steps > 0, (ran, outs[2].stats.handover_steps)
+    for out in outs:
+        assert_same_or_near_tie(model, out.sequences, want, mask)
 
 
 def test_compiled_loop_follows_weights_changed_between_calls(model: torch.nn.Module) -> None:

@@ -273,7 +273,9 @@ def test_every_forward_of_a_call_takes_the_packed_weights(monkeypatch) -> None:
     torch.manual_seed(0)
     model = build("llama", layers=2)
     ids = torch.tensor([[5, 6, 7, 8]])
-    with SpeculativeDecoder(model, None) as spec:
+    # (the eager forwards: a second call's plain steps would otherwise run the compiled graph, which calls the
+    # packed op from its own code: test_decoder_compiled.py)
+    with SpeculativeDecoder(model, None, compiled=False) as spec:
         want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
         assert not calls  # the model's own generate: F.linear, the packed weights are the loop's alone
         assert torch.equal(spec.generate(ids, max_new_tokens=6).sequences, want)

@@ -120,6 +120,20 @@ class StaticLoopCache(StaticCache):
             torch._dynamo.mark_dynamic(layer.values, 2)
         self.dynamic = True
 
+    def load(self, other: object) -> None:
+        """The filled columns of another cache of the same model and batch (the eager loop's GrowingCache), copied
+        in: the rest of a call runs compiled on this one."""
+        for src, dst in zip(other.layers, self.layers, strict=True):  # type: ignore[attr-defined]
+            n = src.get_seq_length()
+            if not dst.is_initialized:  # (a cache no forward ran on yet: buffers shaped as the source's)
+                dst.lazy_initialization(src.keys, src.values)
+            if n > dst.max_cache_len:
+                raise ValueError(f"a cache of {n} columns does not fit this one's {dst.max_cache_len}")
+            dst.keys[..., :n, :] = src.keys[..., :n, :]
+            dst.values[..., :n, :] = src.values[..., :n, :]
+            dst.length = n
+            dst.cumulative_length.fill_(n)
+
     def grew(self, columns: int) -> None:
         """`columns` more were written by a forward (the graph moved each layer's tensor position itself)."""
         for layer in self.layers:

@@ -85,12 +85,12 @@ class SpeculativeDecoder:
                  k: int | None = None, ngram: NgramDrafter | None = None,
                  model_drafter: ModelDrafter | list[ModelDrafter] | None = None, endpoint: str | None = None,
                  schedule: str = "auto", cost: CostModel | None = None, tree: int = 0, tree_top_k: int = 4,
-                 packed: str = "all", ngram_tree: int = 12, compiled: bool | str = False,
+                 packed: str = "all", ngram_tree: int = 12, compiled: bool | str = "plain",
                  refresh_cost: bool = False) -> None:
         if schedule not in ("auto", "fixed"):
             raise ValueError(f"schedule must be 'auto' or 'fixed', got {schedule!r}")
-        if compiled not in (True, False, "auto"):
-            raise ValueError(f"compiled must be True, False or 'auto', got {compiled!r}")
+        if compiled not in (True, False, "auto", "plain"):
+            raise ValueError(f"compiled must be True, False, 'auto' or 'plain', got {compiled!r}")
         if k is None:
             k = FIXED_K if schedule == "fixed" else AUTO_K
         if k < 1:
@@ -98,7 +98,7 @@ class SpeculativeDecoder:
         self.k = k
         self.target = Target(target, packed, session=None, compiled=compiled is not False)
         self.compiled = compiled
-        self.calls = 0  # calls made: "auto" compiles from the second batch-1 call on (`compiles`)
+        self.calls = 0  # calls made: "auto" and "plain" compile from the second batch-1 call on (`compiles`)
         self.static = False  # whether the current (or last) call runs compiled
         if drafter == "auto":
             if model_drafter is None:
@@ -145,12 +145,25 @@ class SpeculativeDecoder:
 
     def compiles(self, batch: int) -> bool:
         """Whether a call of `batch` rows runs its forwards compiled over a static cache (`forward/_compiled.py`):
-        compiled=True always, False (the default) never, "auto" batch-1 calls from the decoder's second call on.
+        compiled=True always, False and "plain" (the default: see `compiles_plain`) never, "auto" batch-1 calls from
+        the decoder's second call on.
         Why "auto" skips batch 8: attending over the static cache's whole capacity, the compiled loop ran 0.81x the
         eager one there. Why it skips a first call: that call compiles every graph it may run (30-37 s for auto on
         the default model with Inductor's disk cache warm, 162 s cold, against 0.1 s eager), so a one-off call stays
         quick and a decoder that is reused pays it once. Why none of it is the default: on this project's CPU the
         compiled loop did not beat the eager one (docs/design.md, "The speculative loop on a compiled target")."""
+        if self.target.compiled is None or self.compiled in (False, "plain"):
+            return False
+        return self.compiled is True or (batch == 1 and self.calls > 0)
+
+    def compiles_plain(self, batch: int) -> bool:
+        """Whether a call of `batch` rows runs its plain steps (a whole call on the plain path, a decoder with
+        nothing to draft, the rest of a sampled call that measured itself losing) on the compiled one-token graph
+        over a static cache: every compiled way but False, at batch 1 from the decoder's second call on (as
+        "auto"). Why by default: where nothing is drafted (sampling, here), the eager loop's plain steps ran
+        0.90-0.95x transformers' compiled `generate` and the compiled ones 1.03-1.06x, for one graph (a few
+        seconds' compile, paid by a decoder's second call). Why not batch 8: there the eager loop's plain steps
+        were the faster (docs/design.md, "The speculative loop on a compiled target")."""
         if self.target.compiled is None or self.compiled is False:
             return False
         return self.compiled is True or (batch == 1 and self.calls > 0)
@@ -203,6 +216,7 @@ class SpeculativeDecoder:
         exactly. `streamer` takes transformers' streamer interface (put(ids), end()); batch 1 only."""
         t0 = time.perf_counter()
         self.static = self.compiles(input_ids.shape[0])  # this call's forwards: compiled, or eager
+        plain_graph = self.compiles_plain(input_ids.shape[0])  # ...and its plain steps
         if self._given_cost is None:  # (a given curve serves every call, as given or as set on `cost` since)
             self.cost = self.cost_for(self.static)
         self.calls += 1
@@ -216,9 +230,15 @@ class SpeculativeDecoder:
                              eos_token_id, pad_token_id, streamer)
             self.cost.paths.observe(key, "plain", out.stats.tokens_per_s, out.stats.emitted)
             return out
-        # a plain call on CPU: the loop's own plain rounds (`loop_plain`)
+        # a plain call on CPU: the loop's own plain rounds (`loop_plain`), compiled where `compiles_plain`
+        self.static = self.static or (plain_graph and (plain or not self.has_drafter))
         run = self.new_run(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
                            streamer, drafting=not plain, model_drafters=path == "spec")
+        run.plain_graph = plain_graph
+        if plain_graph and not self.static and auto and run.mode == "sample":
+            t_warm = time.perf_counter()  # the graph a hand-over's plain steps run, compiled before the call starts
+            self.target.warm_plain(run)
+            run.setup_s += time.perf_counter() - t_warm
         if self.target.packed is not None:
             t_pack = time.perf_counter()
             self.target.packed.refresh()  # weights changed since the last call are packed again
@@ -234,9 +254,10 @@ class SpeculativeDecoder:
         run.stats.path = path
         if run.streamer is not None:
             run.streamer.end()
-        if plain:
+        if plain:  # (its rate without the setup: a first compiled call's compile is not what plain steps cost)
             run.stats.delegated = True
-            self.cost.paths.observe(key, "plain", run.stats.tokens_per_s, run.stats.emitted)
+            seconds = run.stats.seconds - run.setup_s
+            self.cost.paths.observe(key, "plain", run.stats.emitted / max(seconds, 1e-9), run.stats.emitted)
         elif auto:  # what drafting achieved: a handed-over call counts its speculative part
             tokens, seconds = spec_part or (run.stats.emitted, run.stats.seconds)
             seconds -= run.setup_s
@@ -345,10 +366,13 @@ class SpeculativeDecoder:
             if not run.drafting:
                 plain_round(run, self.target)
                 continue
-            if auto and losing(run, t_decode, self.cost):  # the rest as plain steps, on this call's cache
+            plain_s = self.target.plain_s.get(run.b) if run.plain_graph else None
+            if auto and losing(run, t_decode, self.cost, plain_s):  # the rest as plain steps, on this call's cache
                 spec_part = (run.stats.emitted, time.perf_counter() - t0 - run.setup_s)
                 if loop_plain(run.device):
                     run.drafting, run.handed, run.ngram = False, True, None  # no more drafts: no index to grow
+                    if run.plain_graph and not self.static:
+                        self.target.go_static(run)  # (its cache copied onto a static one: compiled plain steps)
                     continue
                 hand_over(run, self.target)
                 return spec_part

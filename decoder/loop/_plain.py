@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..forward._compiled import StaticLoopCache
 from ._chain_round import RoundDrafts, verify_round
 from ._run import Run, check_call, eos_list, through_eos
 from ._stats import SpecOutput, SpecStats
@@ -52,8 +53,10 @@ def loop_plain(device: torch.device) -> bool:
     return device.type in LOOP_PLAIN
 
 
-def losing(run: Run, t_decode: float, cost: CostModel) -> bool:
-    """Whether this sampled call decodes measurably slower than plain steps of its batch would.
+def losing(run: Run, t_decode: float, cost: CostModel, plain_s: float | None = None) -> bool:
+    """Whether this sampled call decodes measurably slower than plain steps of its batch would: a one-token
+    forward of the cost curve, or `plain_s`, a compiled plain round as measured (where the rest would run so),
+    whichever is less.
 
     Progress is the least any live row has decoded: a batch finishes with its slowest row, so plain steps
     would have needed that many to bring every row this far."""
@@ -64,7 +67,8 @@ def losing(run: Run, t_decode: float, cost: CostModel) -> bool:
         return False
     if run.max_new - 1 - min(live) < MIN_LEFT:
         return False
-    return (time.perf_counter() - t_decode) / min(live) > HAND_OVER_LOSS * cost.verify(run.b, 1)
+    step = cost.verify(run.b, 1) if plain_s is None else min(plain_s, cost.verify(run.b, 1))
+    return (time.perf_counter() - t_decode) / min(live) > HAND_OVER_LOSS * step
 
 
 def plain_round(run: Run, target: Target) -> None:
@@ -78,6 +82,9 @@ def plain_round(run: Run, target: Target) -> None:
     n_acc, nxt = verify_round(run, drafts, logits, None)
     n = sum(len(t) for t in run.keep(n_acc, nxt, drafts.tokens, None))
     st, dt = run.stats, time.perf_counter() - t0
+    if isinstance(run.cache, StaticLoopCache):  # a compiled step: what `losing` compares a call with
+        was = target.plain_s.get(run.b)
+        target.plain_s[run.b] = dt if was is None else was + 0.05 * (dt - was)
     st.target_forwards += 1
     st.emitted += n
     st.row_rounds += n

@@ -64,6 +64,7 @@ class Run:
         self.drafting = drafting  # False: plain rounds only (no cost curve, drafter buffers or n-gram index)
         self.model_drafters = drafting and model_drafters  # False: no model drafter is asked, the probes stay off
         self.handed = False  # the rest of a call that measured itself losing runs as plain rounds
+        self.plain_graph = False  # ...on the compiled one-token graph (`SpeculativeDecoder.compiles_plain`)
         self.setup_s = 0.0  # seconds spent measuring costs and packing weights (once per model: not drafting's)
         # scheduling: one state per model drafter (slot); `cur` is the one this round consults
         self.scheds = scheds

@@ -44,6 +44,7 @@ class Target:
             self.packed = shared  # the compiled forwards' packed copies serve the eager ones (no second copy)
         self.session = session  # a probe.Session on the model drafters' feature sites, or None
         self.capturing = True
+        self.plain_s: dict[int, float] = {}  # per batch: seconds of a compiled plain round, measured as they run
         self.toggle_s = 2e-3  # seconds to pause or resume the probes, measured as it happens (from a high guess)
         self._valid_on = torch.ones(1, 1, dtype=torch.bool)
         self._valid_off = torch.zeros(1, 1, dtype=torch.bool)
@@ -80,6 +81,19 @@ class Target:
             with self.quiet(run, reads_features=False):
                 self.compiled.warm(run.b, run.cache.capacity, lengths, self.cache_kw, tapped=True)
             self.capture(False)
+
+    def warm_plain(self, run: Run) -> None:
+        """Compile the one-token graph (probes off) that `go_static` would run for this call."""
+        self.capture(False)
+        self.compiled.warm(run.b, run.mask.shape[1] + 1, [1], self.cache_kw)
+
+    def go_static(self, run: Run) -> None:
+        """The rest of the call on a static cache holding what the call's cache holds, its one-token graph compiled
+        (the plain steps of a sampled call that measured itself losing: `_plain.py`)."""
+        self.warm_plain(run)
+        cache = self.compiled.new_cache(run.b, run.mask.shape[1] + 1)  # (warm's own, emptied: no second buffers)
+        cache.load(run.cache)
+        run.cache = cache
 
     def forward(self, run: Run, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 phase: str = "verify", labels: torch.Tensor | None = None) -> torch.Tensor:
