@@ -234,6 +234,43 @@ def test_a_sampled_call_that_loses_hands_its_rest_to_the_compiled_graph(model: t
         assert_same_or_near_tie(model, out.sequences, want, mask)
 
 
+def test_a_one_row_graph_calls_the_packed_op_for_the_head_alone() -> None:
+    """In a compiled forward the packed layers are calls of `probebus::packed_linear` (`_packed.py`), each a call
+    back into Python. A graph of several rows calls it for every packed layer (their weights would be repacked
+    otherwise); a batch-1 one-token graph for the head alone (the other layers' single row has nothing to repack);
+    both give the eager forward's logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # an MLP big enough to be packed (MIN_ELEMENTS), one layer (one cold compile in CI)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=1024, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    with torch.inference_mode():
+        _one_row_graph_checks(model)
+
+
+def _one_row_graph_checks(model: torch.nn.Module) -> None:
+    from torch.profiler import profile
+
+    fwd = CompiledForward(model)
+    packed = fwd.packed
+    assert packed is not None and packed.kind == "all" and len(packed.layers) == 4  # gate, up, down, head
+    ref = GrowingCache(64)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    cache = fwd.new_cache(1, 8)
+    fwd(ids, torch.arange(4)[None], None, cache, "cache", compiled=False)
+    model(ids, position_ids=torch.arange(4)[None], cache=ref, use_cache=True)
+    for length in (1, 3):
+        nxt = torch.randint(3, 1024, (1, length))
+        pos = torch.arange(cache.get_seq_length(), cache.get_seq_length() + length)[None]
+        fwd.warm(1, 300, [length], "cache")  # (compiled first, on a cache of its own)
+        with profile() as prof:
+            got = fwd(nxt, pos, None, cache, "cache")
+        want = model(nxt, position_ids=pos, cache=ref, use_cache=True).logits
+        calls = sum(e.count for e in prof.key_averages() if e.key == "probebus::packed_linear")
+        assert calls == (1 if length == 1 else 4), (length, calls)
+        assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+
+
 def test_compiled_loop_follows_weights_changed_between_calls(model: torch.nn.Module) -> None:
     """The compiled graphs read packed copies of the linear layers (`packed_linear`): a weight changed between two
     calls is packed again, and the second call still equals `generate` of the changed model."""

@@ -277,7 +277,7 @@ class CompiledForward:
             if rows is not None:
                 stack.enter_context(self._swapped())
                 if self.packed is not None:
-                    stack.enter_context(self.packed.traced())
+                    stack.enter_context(self.packed.traced(rows=b * rows))
             logits = self.model(ids, attention_mask=full, position_ids=positions, use_cache=True, **kw).logits
         cache.grew(ids.shape[1])
         if ids.shape[1] > length:

@@ -102,11 +102,18 @@ class PackedLinears:
                 _EVERY_ROW[_NUMBERS[layer]] = layer is self.head
 
     @contextlib.contextmanager
-    def traced(self) -> Iterator[None]:
-        """The packed weights for a compiled forward: each layer's forward calls `packed_linear`, an op the graph
-        keeps as a call. The numbers are fixed per layer, so every compiled forward of the model traces the same
-        graph; `refresh` (weights that changed) updates what they name."""
-        with self._swapped(lambda i, layer: _traced_forward(layer, _NUMBERS[layer])):
+    def traced(self, rows: int = 2) -> Iterator[None]:
+        """The packed weights for a compiled forward of `rows` rows (batch x length): each layer's forward calls
+        `packed_linear`, an op the graph keeps as a call. The numbers are fixed per layer, so every compiled forward
+        of the model traces the same graph; `refresh` (weights that changed) updates what they name. A graph of one
+        row (a batch-1 one-token step) calls the op for the head only: every other layer's single row is a
+        matrix-vector product with nothing to repack (MIN_ELEMENTS), which the graph does itself, where the op's
+        call from Python cost ~30 us a layer (~0.7 ms of a 5.5 ms step of the default target)."""
+        if rows > 1:
+            with self._swapped(lambda i, layer: _traced_forward(layer, _NUMBERS[layer])):
+                yield
+            return
+        with self._swapped(lambda i, layer: _traced_forward(layer, _NUMBERS[layer]) if layer is self.head else None):
             yield
 
     @contextlib.contextmanager
@@ -118,9 +125,9 @@ class PackedLinears:
             yield
 
     @contextlib.contextmanager
-    def _swapped(self, forward_of: Callable[[int, nn.Linear], Callable]) -> Iterator[bool]:
-        """Each layer's forward replaced by `forward_of(index, layer)` for the forwards inside, packed first if
-        never yet; yields False (nothing replaced) in a forward that needs gradients."""
+    def _swapped(self, forward_of: Callable[[int, nn.Linear], Callable | None]) -> Iterator[bool]:
+        """Each layer's forward replaced by `forward_of(index, layer)` (None: not this one) for the forwards inside,
+        packed first if never yet; yields False (nothing replaced) in a forward that needs gradients."""
         if torch.is_grad_enabled():
             yield False  # a forward that needs gradients: as it is
             return
@@ -131,9 +138,12 @@ class PackedLinears:
             own = layer.__dict__
             if "forward" in own or layer._forward_hooks or layer._forward_pre_hooks:
                 continue  # someone else's tap or hook (a probe on `logits`): as it is
+            forward = forward_of(i, layer)
+            if forward is None:  # (this layer as it is, in this forward)
+                continue
             # the instance dict itself: nn.Module.__setattr__ is slower
             # (measured: docs/design.md, "Decoder: measurements behind the code")
-            own["forward"] = forward_of(i, layer)
+            own["forward"] = forward
             swapped.append(own)
         try:
             yield True
