@@ -271,6 +271,20 @@ def _one_row_graph_checks(model: torch.nn.Module) -> None:
         assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
 
 
+def test_the_oracle_bound_runs_eagerly_after_a_compiled_call(model: torch.nn.Module) -> None:
+    """The oracle's replay (`oracle_bound`) runs eager forwards on a cache of its own, whatever the decoder's last
+    call ran: it once took the last call's static cache and crashed on a mask of the eager loop's width."""
+    from decoder.loop import oracle_bound
+
+    ids, mask = left_padded(PROMPTS[:1])
+    with SpeculativeDecoder(model, "auto", model_drafter=_eagle(model), k=2, ngram_tree=0, compiled="auto") as spec:
+        for _ in range(2):
+            spec.generate(ids, mask, max_new_tokens=6, pad_token_id=PAD)
+        assert spec.static  # (the second call ran compiled)
+        res = oracle_bound(spec, ids, mask, max_new_tokens=12)
+    assert res.tokens == 12 and res.seconds > 0
+
+
 def test_compiled_loop_follows_weights_changed_between_calls(model: torch.nn.Module) -> None:
     """The compiled graphs read packed copies of the linear layers (`packed_linear`): a weight changed between two
     calls is packed again, and the second call still equals `generate` of the changed model."""

@@ -35,6 +35,7 @@ from torch import nn
 
 from .. import verify
 from ..drafters import Eagle3Drafter, Feeder, MedusaFeeder, NgramDrafter
+from ..forward._compiled import StaticLoopCache
 from ..schedule import NGRAM_PATHS, PATHS, CostModel
 from ._accounting import account
 from ._chain_round import RoundDrafts, draft_round, forward_round, plan_round, verify_round
@@ -233,7 +234,7 @@ class SpeculativeDecoder:
         # a plain call on CPU: the loop's own plain rounds (`loop_plain`), compiled where `compiles_plain`
         self.static = self.static or (plain_graph and (plain or not self.has_drafter))
         run = self.new_run(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
-                           streamer, drafting=not plain, model_drafters=path == "spec")
+                           streamer, drafting=not plain, model_drafters=path == "spec", static=self.static)
         run.plain_graph = plain_graph
         if plain_graph and not self.static and auto and run.mode == "sample":
             t_warm = time.perf_counter()  # the graph a hand-over's plain steps run, compiled before the call starts
@@ -287,9 +288,10 @@ class SpeculativeDecoder:
     def new_run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                 eos: int | list[int] | None = None, seed: int | None = None, streamer: object = None,
-                drafting: bool = True, model_drafters: bool = True) -> Run:
+                drafting: bool = True, model_drafters: bool = True, static: bool = False) -> Run:
         """A call's state, its drafters prepared; with `drafting` False (plain rounds only) no cost curve, drafter
-        buffers or n-gram index are set up, and with `model_drafters` False (n-gram alone) no drafter buffers."""
+        buffers or n-gram index are set up, and with `model_drafters` False (n-gram alone) no drafter buffers.
+        `static`: the call's forwards run compiled over a static cache (`compiles`; default eager)."""
         check_call(input_ids, max_new_tokens, streamer)
         param = next(self.target.model.parameters())
         # A seed reproduces the output: the schedule then depends on nothing timed or learned in earlier calls
@@ -298,7 +300,7 @@ class SpeculativeDecoder:
         run = Run(input_ids, attention_mask, max_new_tokens=max_new_tokens, k=self.k, eos=eos_list(eos),
                   device=param.device, scheds=scheds, dtype=param.dtype, temperature=temperature, top_k=top_k,
                   top_p=top_p, seed=seed, streamer=streamer, drafting=drafting, model_drafters=model_drafters)
-        if self.static:  # a static cache, unless a drafter reads the cache as it grows
+        if static:  # a static cache, unless a drafter reads the cache as it grows
             binds = run.model_drafters and any(hasattr(sl.feeder, "bind_run") for sl in self.drafters.slots)
             # the mask's columns (prompt, new tokens, a round's drafts) and a tree's nodes; more grows it
             run.cache = self.target.new_cache(run.b, run.mask.shape[1] + max(self.tree, self.ngram_tree) + 1,
@@ -371,7 +373,7 @@ class SpeculativeDecoder:
                 spec_part = (run.stats.emitted, time.perf_counter() - t0 - run.setup_s)
                 if loop_plain(run.device):
                     run.drafting, run.handed, run.ngram = False, True, None  # no more drafts: no index to grow
-                    if run.plain_graph and not self.static:
+                    if run.plain_graph and not isinstance(run.cache, StaticLoopCache):
                         self.target.go_static(run)  # (its cache copied onto a static one: compiled plain steps)
                     continue
                 hand_over(run, self.target)
