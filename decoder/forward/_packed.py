@@ -107,8 +107,9 @@ class PackedLinears:
         `packed_linear`, an op the graph keeps as a call. The numbers are fixed per layer, so every compiled forward
         of the model traces the same graph; `refresh` (weights that changed) updates what they name. A graph of one
         row (a batch-1 one-token step) calls the op for the head only: every other layer's single row is a
-        matrix-vector product with nothing to repack (MIN_ELEMENTS), which the graph does itself, where the op's
-        call from Python cost ~30 us a layer (~0.7 ms of a 5.5 ms step of the default target)."""
+        matrix-vector product with nothing to repack (MIN_ELEMENTS), which the graph does itself, where each call of
+        the op went back into Python (~6 us over `F.linear`) and the graph could not fuse across it: 0.92x the step
+        time of the default target (docs/design.md, "The speculative loop on a compiled target")."""
         if rows > 1:
             with self._swapped(lambda i, layer: _traced_forward(layer, _NUMBERS[layer])):
                 yield

@@ -160,12 +160,15 @@ class SpeculativeDecoder:
     def compiles_plain(self, batch: int) -> bool:
         """Whether a call of `batch` rows runs its plain steps (a whole call on the plain path, a decoder with
         nothing to draft, the rest of a sampled call that measured itself losing) on the compiled one-token graph
-        over a static cache: every compiled way but False, at batch 1 from the decoder's second call on (as
-        "auto"). Why by default: where nothing is drafted (sampling, here), the eager loop's plain steps ran
-        0.90-0.95x transformers' compiled `generate` and the compiled ones 1.03-1.06x, for one graph (a few
-        seconds' compile, paid by a decoder's second call). Why not batch 8: there the eager loop's plain steps
-        were the faster (docs/design.md, "The speculative loop on a compiled target")."""
+        over a static cache: compiled=True always, "auto" and "plain" (the default) at batch 1 from the decoder's
+        second call on, "plain" on the CPU only (measured there alone), False never. Why by default: where nothing
+        is drafted (sampling, here), the eager loop's plain steps ran 0.93-0.97x transformers' compiled `generate`
+        and the compiled ones 0.99-1.12x, for one graph (7.7 s to compile with Inductor's disk cache warm, 36 s
+        cold, paid by a decoder's second call). Why not batch 8: there the eager loop's plain steps were the faster
+        (docs/design.md, "The speculative loop on a compiled target")."""
         if self.target.compiled is None or self.compiled is False:
+            return False
+        if self.compiled == "plain" and not loop_plain(self.target.device):
             return False
         return self.compiled is True or (batch == 1 and self.calls > 0)
 
