@@ -42,15 +42,9 @@ def test_compiled_loop_greedy_equals_generate(model: torch.nn.Module, batch: int
         kinds.append(("auto", {"model_drafter": _eagle(model), "ngram_tree": 0}))
     k = 2 if batch == 1 else 1  # (the batch's graphs: lengths 1-2, with and without taps; batch 1 runs 1-3)
     for drafter, kw in kinds:
-        with SpeculativeDecoder(model, drafter, k=k, compiled=True, **kw) as spec:
-            compiled, calls = spec.target.compiled, []
-            inner = compiled.fn
-            compiled.fn = lambda *a, c=calls, f=inner, **k: (c.append(1), f(*a, **k))[1]  # counts compiled calls
-            try:
-                out = spec.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD)
-                again = spec.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD)  # the graphs run again
-            finally:
-                compiled.fn = inner
+        with SpeculativeDecoder(model, drafter, k=k, compiled=True, **kw) as spec, _counted(spec) as calls:
+            out = spec.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD)
+            again = spec.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD)  # the graphs run again
         assert_same_or_near_tie(model, out.sequences, want, mask)
         assert_same_or_near_tie(model, again.sequences, want, mask)
         assert out.stats.emitted == 20 * batch

@@ -110,11 +110,8 @@ class PackedLinears:
         matrix-vector product with nothing to repack (MIN_ELEMENTS), which the graph does itself, where each call of
         the op went back into Python (~6 us over `F.linear`) and the graph could not fuse across it: 0.92x the step
         time of the default target (docs/design.md, "The speculative loop on a compiled target")."""
-        if rows > 1:
-            with self._swapped(lambda i, layer: _traced_forward(layer, _NUMBERS[layer])):
-                yield
-            return
-        with self._swapped(lambda i, layer: _traced_forward(layer, _NUMBERS[layer]) if layer is self.head else None):
+        with self._swapped(lambda i, layer: _traced_forward(layer, _NUMBERS[layer])
+                           if rows > 1 or layer is self.head else None):
             yield
 
     @contextlib.contextmanager

@@ -153,9 +153,7 @@ class SpeculativeDecoder:
         the default model with Inductor's disk cache warm, 162 s cold, against 0.1 s eager), so a one-off call stays
         quick and a decoder that is reused pays it once. Why none of it is the default: on this project's CPU the
         compiled loop did not beat the eager one (docs/design.md, "The speculative loop on a compiled target")."""
-        if self.target.compiled is None or self.compiled in (False, "plain"):
-            return False
-        return self.compiled is True or (batch == 1 and self.calls > 0)
+        return self.compiled != "plain" and self.compiles_plain(batch)  # (the same rule, every forward)
 
     def compiles_plain(self, batch: int) -> bool:
         """Whether a call of `batch` rows runs its plain steps (a whole call on the plain path, a decoder with
