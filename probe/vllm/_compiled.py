@@ -23,9 +23,11 @@ compile nothing: they only set which session, if any, the dormant taps serve.
 What the taps cost while dormant: each compiled forward returns every site's tensor too, the
 list is appended to (Python, after the graph) and cleared, and those tensors live until the
 step's end instead of being freed or reused inside the graph (a prefill of T tokens holds
-sites x T x hidden more numbers for that long). Not benchmarked yet; the one timing of the
-engine's start with and without the taps, and of attach and close (RPC and the bus's sockets:
-nothing compiles), is in docs/design.md, "Costs behind the code", Compiled vLLM.
+sites x T x hidden more numbers for that long). A decode step of a tapped engine measured 0.92-1.06x
+a clean engine's, within the spread between engines of one kind (`benchmarks/vllm_engines.py`,
+docs/benchmarks.md, Compiled models); the engine's start with and without the taps, and attach and
+close (RPC and the bus's sockets: nothing compiles), are in docs/design.md, "Costs behind the code",
+Compiled vLLM.
 
 vLLM 0.32 saves compiled models in its cache (~/.cache/vllm/torch_compile_cache) under a hash
 of the engine's config, which leaves out `worker_extension_cls`: a model compiled without the
