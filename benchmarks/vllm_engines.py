@@ -14,8 +14,11 @@ worker (`execute_model` and `sample_tokens`, the worker thread's CPU time and mi
 engine with a session
 on `layers.*.resid_post` and a draining subscriber). Two engines of one kind differ by their memory
 placement and their own compile: each engine's median is printed, and the ratio of pooled medians comes
-with a 90 % bootstrap interval over engines' steps. vLLM's worker computes on core 0
-(VLLM_CPU_OMP_THREADS_BIND=0), the subscriber on core 1.
+with a 90 % bootstrap interval over engines' steps. Placement: this process runs on core 0 with one
+OpenMP thread, the subscriber and the session's threads on core 1. (vLLM applies
+VLLM_CPU_OMP_THREADS_BIND only in a worker process of its own: in this process its matmuls ran on two
+OpenMP threads, one spinning on core 1 while the step lasted, and a step's time then counted its contention
+with the subscriber and the session's threads.)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # read as the OpenMP runtime loads, with torch: before the imports below
 from vllm_overhead import DRAIN, prompts  # noqa: E402
 from vllm_paired_steps import StepClock  # noqa: E402
 
@@ -126,4 +130,8 @@ if __name__ == "__main__":
     vllm_overhead.ARGS = ARGS  # its prompts() reads the prompt length from there
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        sys.exit("needs 2 cores: the engines on core 0, the subscriber and the session's threads on the others")
+    os.sched_setaffinity(0, {cores[0]})  # the session puts its threads on the cores left (`spare_cpus`)
     main()

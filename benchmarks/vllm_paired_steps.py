@@ -15,8 +15,10 @@ with the probe's step identity, hooks and step end inside it, and the sampling).
 happens between the timestamps, so it is not counted. `a/a` switches nothing: the method's
 own bias. `probebus-hooks` copies every capture inside its hook (no decode step deferred to
 its end, `probe/vllm/_defer.py`): what the deferral gains, in the same run. vLLM's worker
-computes on core 0 (VLLM_CPU_OMP_THREADS_BIND=0); the draining subscriber, ZeroMQ's I/O
-thread and the rest of this process run on the other cores.
+computes on core 0: this process runs there with one OpenMP thread (vLLM applies
+VLLM_CPU_OMP_THREADS_BIND only in a worker process of its own: until 2026-12-07 this process's
+matmuls ran two OpenMP threads, one spinning on core 1); the draining subscriber and the
+session's threads (ZeroMQ's I/O thread, the control thread) run on the other cores.
 The engine's own work between steps (scheduling, output processing) is untouched by a
 probe, so the cost is also printed as a share of the engine's cycle (one decode step's
 start to the next, in the a/a runs): what vLLM's throughput loses.
@@ -34,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # read as the OpenMP runtime loads, with torch: before the imports below
 from paired_steps import minor_faults, report  # noqa: E402
 from vllm_overhead import DRAIN, build, prompts  # noqa: E402
 
@@ -165,4 +168,8 @@ if __name__ == "__main__":
     vllm_overhead.ARGS = ARGS  # its prompts() reads the prompt length from there
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        sys.exit("needs 2 cores: the engine on core 0, the subscriber and the session's threads on the others")
+    os.sched_setaffinity(0, {cores[0]})  # the session puts its threads on the cores left (`spare_cpus`)
     main()
