@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # read as the OpenMP runtime loads, with torch: before the imports below
 from vllm_overhead import DRAIN, prompts  # noqa: E402
-from vllm_paired_steps import StepClock  # noqa: E402
+from vllm_paired_steps import StepClock, in_process_on_one_core  # noqa: E402
 
 
 def ratio_interval(steps: list[float], base: list[float], n: int = 1000) -> tuple[float, float]:
@@ -128,10 +128,5 @@ if __name__ == "__main__":
     import vllm_overhead
 
     vllm_overhead.ARGS = ARGS  # its prompts() reads the prompt length from there
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        sys.exit("needs 2 cores: the engines on core 0, the subscriber and the session's threads on the others")
-    os.sched_setaffinity(0, {cores[0]})  # the session puts its threads on the cores left (`spare_cpus`)
+    in_process_on_one_core()
     main()

@@ -43,6 +43,17 @@ from vllm_overhead import DRAIN, build, prompts  # noqa: E402
 MODES = ["a/a", "probebus", "probebus-hooks"]
 
 
+def in_process_on_one_core() -> None:
+    """The engine in this process (so that its worker's steps can be timed), on the first core with one OpenMP
+    thread (set with the imports, at the top); the session's threads and the subscriber on the others."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        sys.exit("needs 2 cores: the engine on core 0, the subscriber and the session's threads on the others")
+    os.sched_setaffinity(0, {cores[0]})  # the session puts its threads on the cores left (`spare_cpus`)
+
+
 class StepClock:
     """Times each step of the in-process worker (`execute_model` to `sample_tokens`, or to `execute_model`'s end
     when it samples itself) and switches the probe for the next decode step between the timestamps."""
@@ -166,10 +177,5 @@ if __name__ == "__main__":
     import vllm_overhead
 
     vllm_overhead.ARGS = ARGS  # its prompts() reads the prompt length from there
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        sys.exit("needs 2 cores: the engine on core 0, the subscriber and the session's threads on the others")
-    os.sched_setaffinity(0, {cores[0]})  # the session puts its threads on the cores left (`spare_cpus`)
+    in_process_on_one_core()
     main()
