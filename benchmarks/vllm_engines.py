@@ -11,10 +11,9 @@ seconds apart. Here `--engines N` clean engines (no extension) and N tapped ones
 started alternately in this process and their generates interleaved; every decode step is timed in its
 worker (`execute_model` and `sample_tokens`, the worker thread's CPU time and minor page faults, as
 `vllm_paired_steps.py` does). Modes: `clean`, `dormant` (a tapped engine, no session), `probed` (a tapped
-engine with a session
-on `layers.*.resid_post` and a draining subscriber). Two engines of one kind differ by their memory
-placement and their own compile: each engine's median is printed, and the ratio of pooled medians comes
-with a 90 % bootstrap interval over engines' steps. Placement: this process runs on core 0 with one
+engine with a session on `layers.*.resid_post` and a draining subscriber). Two engines of one kind differ
+by their memory placement and their own compile: each engine's median is printed, and the ratio of pooled
+medians comes with a 90 % bootstrap interval over engines' steps. Placement: this process runs on core 0 with one
 OpenMP thread, the subscriber and the session's threads on core 1. (vLLM applies
 VLLM_CPU_OMP_THREADS_BIND only in a worker process of its own: in this process its matmuls ran on two
 OpenMP threads, one spinning on core 1 while the step lasted, and a step's time then counted its contention
@@ -94,9 +93,8 @@ def main() -> None:
                         stats = session.close()
                         assert stats.dropped == 0 and stats.captured == stats.published
                         time.sleep(0.2)  # the drain reconnects for the next session
-            for name, clock in clocks.items():
-                w = engines[name].llm_engine.model_executor.driver_worker.worker  # type: ignore[attr-defined]
-                w.execute_model, w.sample_tokens = clock._orig
+            for clock in clocks.values():
+                clock.restore()
             pooled = {kind: sum((v for r, v in steps.items() if r.startswith(kind)), []) for kind in
                       ("clean", "dormant", "probed")}
             base = statistics.median(pooled["clean"])

@@ -69,6 +69,10 @@ class StepClock:
         self._orig = (worker.execute_model, worker.sample_tokens)
         worker.execute_model, worker.sample_tokens = self._execute, self._sample
 
+    def restore(self) -> None:
+        """Give the worker its own methods back."""
+        self.worker.execute_model, self.worker.sample_tokens = self._orig
+
     def start(self, switch, first_on: bool) -> None:
         self.switch, self.state, self.steps, self.starts = switch, first_on, [], []
         switch(first_on)
@@ -152,7 +156,7 @@ def main() -> None:
                     if mode == "a/a":
                         cycles += [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)]
                     time.sleep(0.2)  # the drain reconnects for the next session
-            worker.execute_model, worker.sample_tokens = clock._orig
+            clock.restore()
             cycle = statistics.median(cycles) if cycles else float("nan")
             report(batch, steps, cycle)
             print(f"  the engine's cycle (one decode step's start to the next, unprobed): {1e3 * cycle:.2f} ms")
