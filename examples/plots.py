@@ -28,11 +28,13 @@ model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model)).eval()
 tok = AutoTokenizer.from_pretrained(resolve_model(args.model), padding_side="left")
 enc = tok(["def parse_args(argv):\n", "class Stack:\n    def push(self, item):\n"], return_tensors="pt", padding=True)
 
-rec_dir = tempfile.mkdtemp(prefix="probebus-plots-") + "/rec"
+recording = tempfile.TemporaryDirectory(prefix="probebus-plots-")  # only the plots are kept
+rec_dir = f"{recording.name}/rec"
 with probe.attach(model, "layers.*.resid_post") as session, exporters.ArrowRecorder(session, rec_dir), torch.no_grad():
     model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
 for path in exporters.plot_recording(rec_dir, args.out, title=f"{args.model}, {args.max_new_tokens} new tokens"):
     print("wrote", path)  # the same as: probebus inspect REC --plot OUT
+recording.cleanup()
 
 with decoder.SpeculativeDecoder(model, decoder.load_drafter("default", target=model), k=5, schedule="fixed") as spec:
     stats = spec.generate(enc.input_ids, enc.attention_mask, max_new_tokens=args.max_new_tokens).stats

@@ -5,6 +5,7 @@ from another process (`probebus serve-drafter`). Greedy output equals plain gene
 """
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,8 @@ with decoder.SpeculativeDecoder(model, drafter, k=5) as spec:  # it reads the ta
 print(f"local drafter:  same as generate: {torch.equal(out.sequences, plain)}, tau {out.stats.tau:.2f}, "
       f"acceptance by draft position {[round(a, 2) for a in out.stats.acceptance]}")
 
-address = f"ipc://{tempfile.mkdtemp(prefix='probebus-drafter-')}/drafter.sock"
+socket_dir = tempfile.mkdtemp(prefix="probebus-drafter-")  # a private folder: hidden states leak prompts
+address = f"ipc://{socket_dir}/drafter.sock"
 server = subprocess.Popen([sys.executable, "-m", "probebus", "serve-drafter", "--bind", address, "--model", args.model])
 try:  # the first request waits in ZeroMQ until the server is up
     with decoder.SpeculativeDecoder(model, decoder.RemoteEagle(address), k=5) as spec:
@@ -40,4 +42,5 @@ try:  # the first request waits in ZeroMQ until the server is up
 finally:
     server.terminate()
     server.wait(30)
+    shutil.rmtree(socket_dir, ignore_errors=True)
 print(tok.decode(plain[0], skip_special_tokens=True))

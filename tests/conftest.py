@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -15,6 +17,10 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 # Per-user state the suite must not touch: the decoder's cost-curve cache and the live-session
 # directory go to folders of this run (subprocesses inherit them).
-os.environ.setdefault("PROBEBUS_CACHE_DIR", tempfile.mkdtemp(prefix="probebus-test-cache-"))
-os.environ.setdefault("PROBEBUS_RUNTIME_DIR", tempfile.mkdtemp(prefix="probebus-test-run-"))
+# The process that makes a folder removes it when it exits: left behind, they pile up in /tmp on a
+# machine that runs the suite many times (282 pairs were found on one).
+for _name, _prefix in (("PROBEBUS_CACHE_DIR", "probebus-test-cache-"), ("PROBEBUS_RUNTIME_DIR", "probebus-test-run-")):
+    if _name not in os.environ:
+        os.environ[_name] = tempfile.mkdtemp(prefix=_prefix)
+        atexit.register(shutil.rmtree, os.environ[_name], ignore_errors=True)
 sys.path.insert(0, os.path.dirname(__file__))
