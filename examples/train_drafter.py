@@ -46,6 +46,5 @@ print("held-out acceptance by draft position:", (metrics.get("heldout") or {}).g
 drafter = decoder.load_drafter(args.out or f"{work}/drafter", target=model)
 with decoder.SpeculativeDecoder(model, drafter, k=5) as spec:
     out = spec.generate(**tok(["def main(argv):\n"], return_tensors="pt"), max_new_tokens=32)
-print(f"tau with the new drafter: {out.stats.tau:.2f}")
 shutil.rmtree(work if args.out else f"{work}/rec")  # the recording was only for training
-print("drafter in", args.out or f"{work}/drafter")
+print(f"tau with the new drafter: {out.stats.tau:.2f} (drafter in {args.out or work + '/drafter'})")

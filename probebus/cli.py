@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import types
 from collections.abc import Sequence
 
 
@@ -83,10 +85,30 @@ def _quiet_broken_pipe() -> int:
 _interrupted = False  # a SIGINT arrived: what fails after it is its consequence, reported as the interruption
 
 
-def _on_sigint(signum: int, frame: object) -> None:
+_command = "probebus"  # what the one line names
+_own_process = False  # main() is the process's entry point: it may end the process
+
+
+def _on_sigint(signum: int, frame: types.FrameType | None) -> None:
     global _interrupted
     _interrupted = True
+    if _own_process and _importing(frame):
+        # Raised inside an import, the KeyboardInterrupt can be lost: an importlib callback prints it as ignored,
+        # C code that torch runs while it imports swallows it or aborts on it. Seen with 2-4 busy processes beside
+        # a start-up: rc 0 after generating all it was asked (3 of 148 runs), rc -6 (2 of 148). Nothing of the
+        # command is running yet: leave now.
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # a second Ctrl-C while exiting: no traceback
+        print(f"{_command}: interrupted", file=sys.stderr)
+        _exit_interrupted()
     raise KeyboardInterrupt
+
+
+def _importing(frame: types.FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,14 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     Interrupted in the middle of importing torch or numpy, a later import of the same module fails with
     `ImportError: cannot load module more than once per process`, and an uncaught KeyboardInterrupt gave a
     traceback (rc -2): both are reported as the interruption they are."""
-    import signal
-
+    global _command, _own_process
     command = "probebus"
     try:
+        words = list(sys.argv[1:] if argv is None else argv)
+        command = _command = f"probebus {next((w for w in words if not w.startswith('-')), '')}".strip()
+        _own_process = argv is None
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when a caller set its own
             signal.signal(signal.SIGINT, _on_sigint)
-        words = list(sys.argv[1:] if argv is None else argv)
-        command = f"probebus {next((w for w in words if not w.startswith('-')), '')}".strip()
         return _main(argv)
     except BaseException as exc:
         if not (_interrupted or isinstance(exc, KeyboardInterrupt)) or isinstance(exc, SystemExit):
