@@ -444,7 +444,7 @@ def test_a_subscriber_that_reconnects_in_a_loop_does_not_keep_a_closed_session_o
 
 
 PINNED = textwrap.dedent("""
-    import json, os, sys
+    import json, os, sys, time
     from probe._publisher import Publisher
     from probe.vllm._worker import spare_cpus
     os.sched_setaffinity(0, {0})  # as a vLLM CPU worker binds itself to its OpenMP core
@@ -452,10 +452,15 @@ PINNED = textwrap.dedent("""
     cpus = spare_cpus() if sys.argv[1] == "spare" else {4096} if sys.argv[1] == "bogus" else None
     pub = Publisher("tcp://127.0.0.1:*", run="r", policy="complete", sndhwm=64, curve_secret_key=None,
                     stall_timeout=1.0, io_cpus=cpus)
-    threads = {}
-    for tid in set(os.listdir("/proc/self/task")) - before:
-        name = open(f"/proc/self/task/{tid}/comm").read().strip()
-        threads[f"{name}:{tid}"] = sorted(os.sched_getaffinity(int(tid)))
+    deadline = time.monotonic() + 20
+    while True:  # libzmq's threads set their affinity, then their name, once running: under load that comes later
+        threads = {}
+        for tid in set(os.listdir("/proc/self/task")) - before:
+            name = open(f"/proc/self/task/{tid}/comm").read().strip()
+            threads[f"{name}:{tid}"] = sorted(os.sched_getaffinity(int(tid)))
+        if sum(n.startswith("ZMQbg/") for n in threads) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     pub.close({}, 1.0)
     print(json.dumps({"spare": sorted(cpus or ()), "threads": threads}))
 """)
