@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,7 +54,8 @@ def main() -> None:
     import probe.vllm
     from probebus.models import DEFAULT_MODEL_DIR
 
-    endpoint = f"ipc://{tempfile.mkdtemp(prefix='probebus-vllm-engines-')}/bus"
+    folder = tempfile.mkdtemp(prefix="probebus-vllm-engines-")
+    endpoint = f"ipc://{folder}/bus"
     drain = subprocess.Popen([sys.executable, "-c", DRAIN, endpoint, "1"])
     try:
         engines: dict[str, object] = {}
@@ -113,6 +115,7 @@ def main() -> None:
             llm.llm_engine.engine_core.shutdown()  # type: ignore[attr-defined]
     finally:
         drain.kill()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

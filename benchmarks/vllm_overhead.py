@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -181,6 +182,7 @@ if __name__ == "__main__":
         t = None if ARGS.skip_transformers else bench_transformers(str(model_dir), endpoint)
     finally:
         drain.kill()
+        shutil.rmtree(folder, ignore_errors=True)
     print(f"{'the default model' if ARGS.default_model else 'random Llama'}: decode throughput with probes "
           "off/on (layers.*.resid_post, a draining subscriber on core 1):")
     for e, res in v.items():

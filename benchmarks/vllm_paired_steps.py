@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -163,6 +164,7 @@ def main() -> None:
         llm.llm_engine.engine_core.shutdown()
     finally:
         drain.kill()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -421,13 +421,13 @@ def test_one_subscriber_on_two_publishers_ends_after_both() -> None:
     assert sub.end_counts == {"layers.0.resid_post": 2, "layers.1.resid_post": 3}
 
 
-def test_a_subscriber_that_reconnects_in_a_loop_does_not_keep_a_closed_session_open() -> None:
+def test_a_subscriber_that_reconnects_in_a_loop_does_not_keep_a_closed_session_open(tmp_path: Path) -> None:
     """A drain that opens a new Subscriber as soon as one ends gets each repeat of the end of stream and
     re-subscribes: a session waits for the subscribers present at close only (it used to wait its whole linger)."""
     model = build("llama")
     loop = ("import sys, probe\nwhile True:\n    s = probe.Subscriber(sys.argv[1])\n    for c in s:\n        pass\n"
             "    s.close()\n")
-    endpoint = f"ipc:///tmp/probebus-test-reconnect-{os.getpid()}"  # one endpoint for the three sessions
+    endpoint = f"ipc://{tmp_path}/bus"  # one endpoint for the three sessions
     drain = subprocess.Popen([sys.executable, "-c", loop, endpoint])
     try:
         for _ in range(3):
