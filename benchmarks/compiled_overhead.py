@@ -38,7 +38,7 @@ from probebus.models import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _prompt_sets import load_sets  # noqa: E402
-from overhead import DRAIN, machine, model_core  # noqa: E402
+from overhead import DRAIN, machine, model_core, private_ipc  # noqa: E402
 
 MODES = ("eager", "compiled", "compiled+probe", "compiled+session")
 
@@ -103,7 +103,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     compiled = torch.compile(model.forward, fullgraph=True)
-    endpoint = f"ipc:///tmp/probebus-compiled-{os.getpid()}"
+    endpoint = private_ipc("bus")
     drain = subprocess.Popen([sys.executable, "-c", DRAIN, "probebus", endpoint])
     drain_long = subprocess.Popen([sys.executable, "-c", DRAIN, "probebus", endpoint + "-long"])
     long = probe.attach(model, SITES, endpoint=endpoint + "-long")

@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import probe
 
 sys.path.insert(0, os.path.dirname(__file__))
-from overhead import DRAIN, Clock  # noqa: E402  (same drain and clock as the CPU benchmark)
+from overhead import DRAIN, Clock, private_ipc  # noqa: E402  (same drain and clock as the CPU benchmark)
 
 
 def naive_hooks(model: LlamaForCausalLM, sock: zmq.Socket) -> list:
@@ -127,7 +127,7 @@ def main() -> None:
     if args.profile:
         return profile(model, args.new_tokens)
     fidelity(model, cfg.vocab_size)
-    eps = {"probebus": f"ipc:///tmp/pb-cuda-{os.getpid()}", "naive": f"ipc:///tmp/pb-naive-{os.getpid()}"}
+    eps = {"probebus": private_ipc("bus"), "naive": private_ipc("naive")}
     drains = [subprocess.Popen([sys.executable, "-c", DRAIN, m, e]) for m, e in eps.items()]
     sock = zmq.Context.instance().socket(zmq.PUB)
     sock.bind(eps["naive"])

@@ -25,13 +25,16 @@ Decode throughput excludes the prefill: a streamer timestamps every new token.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import warnings
@@ -51,6 +54,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _stats import bootstrap_median  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+_RUN_DIR: list[str] = []
+
+
+def private_ipc(name: str) -> str:
+    """ipc://<a 0700 folder of this run>/<name>: only this user can connect (hidden states leak prompts), and the
+    folder goes when the process exits (a fixed path in /tmp left a socket file behind every run)."""
+    if not _RUN_DIR:
+        _RUN_DIR.append(tempfile.mkdtemp(prefix="probebus-bench-"))
+        atexit.register(shutil.rmtree, _RUN_DIR[0], ignore_errors=True)
+    return f"ipc://{_RUN_DIR[0]}/{name}"
+
+
 DRAIN = textwrap.dedent("""
     import sys, zmq, probe
     mode, endpoint = sys.argv[1], sys.argv[2]
@@ -201,8 +216,8 @@ def decode_overhead(placement: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             lm = LanguageModel(model, tokenizer=AutoTokenizer.from_pretrained(ROOT / "probebus/models/default"))
-    endpoints = {"probebus": f"ipc:///tmp/probebus-bench-{os.getpid()}", "naive": f"tcp://127.0.0.1:{ARGS.port}",
-                 "probebus-live": f"ipc:///tmp/probebus-bench-live-{os.getpid()}"}
+    endpoints = {"probebus": private_ipc("bus"), "naive": f"tcp://127.0.0.1:{ARGS.port}",
+                 "probebus-live": private_ipc("live")}
     endpoints = {m: e for m, e in endpoints.items() if m in modes}
     children = [subprocess.Popen([sys.executable, "-c", DRAIN, m, e]) for m, e in endpoints.items()]
     zmq.Context.instance().socket(zmq.PAIR).close()  # ZeroMQ's global I/O thread starts here, on the other cores

@@ -45,7 +45,7 @@ import probe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _stats import bootstrap_median  # noqa: E402
-from overhead import DRAIN, NaiveHooks, build_model, machine, model_core  # noqa: E402
+from overhead import DRAIN, NaiveHooks, build_model, machine, model_core, private_ipc  # noqa: E402
 
 MODES = ["a/a", "probebus", "probebus-live", "naive"]
 
@@ -183,8 +183,7 @@ def main() -> None:
     model = model.to(ARGS.device, getattr(torch, ARGS.dtype))
     if ARGS.compiled:
         model.forward = torch.compile(model.forward, fullgraph=True, mode=ARGS.compile_mode)
-    endpoints = {"probebus": f"ipc:///tmp/probebus-paired-{os.getpid()}",
-                 "probebus-live": f"ipc:///tmp/probebus-paired-live-{os.getpid()}",
+    endpoints = {"probebus": private_ipc("bus"), "probebus-live": private_ipc("live"),
                  "naive": f"tcp://127.0.0.1:{ARGS.port}"}
     children = [subprocess.Popen([sys.executable, "-c", DRAIN, m, e]) for m, e in endpoints.items()
                 if m in ARGS.modes]
