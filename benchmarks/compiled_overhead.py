@@ -103,7 +103,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     compiled = torch.compile(model.forward, fullgraph=True)
-    endpoint = private_ipc("bus")
+    endpoint = private_ipc()
     drain = subprocess.Popen([sys.executable, "-c", DRAIN, "probebus", endpoint])
     drain_long = subprocess.Popen([sys.executable, "-c", DRAIN, "probebus", endpoint + "-long"])
     long = probe.attach(model, SITES, endpoint=endpoint + "-long")

@@ -127,7 +127,7 @@ def main() -> None:
     if args.profile:
         return profile(model, args.new_tokens)
     fidelity(model, cfg.vocab_size)
-    eps = {"probebus": private_ipc("bus"), "naive": private_ipc("naive")}
+    eps = {"probebus": private_ipc(), "naive": private_ipc()}
     drains = [subprocess.Popen([sys.executable, "-c", DRAIN, m, e]) for m, e in eps.items()]
     sock = zmq.Context.instance().socket(zmq.PUB)
     sock.bind(eps["naive"])

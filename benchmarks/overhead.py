@@ -30,11 +30,9 @@ import json
 import os
 import platform
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import warnings
@@ -48,22 +46,20 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 import probe
+from probe._endpoint import bind_address, remove_private
 from probe._publisher import MAX_DELAY_S
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _stats import bootstrap_median  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-_RUN_DIR: list[str] = []
-
-
-def private_ipc(name: str) -> str:
-    """ipc://<a 0700 folder of this run>/<name>: only this user can connect (hidden states leak prompts), and the
-    folder goes when the process exits (a fixed path in /tmp left a socket file behind every run)."""
-    if not _RUN_DIR:
-        _RUN_DIR.append(tempfile.mkdtemp(prefix="probebus-bench-"))
-        atexit.register(shutil.rmtree, _RUN_DIR[0], ignore_errors=True)
-    return f"ipc://{_RUN_DIR[0]}/{name}"
+def private_ipc() -> str:
+    """A session's default endpoint (`bind_address`: ipc:// in a 0700 folder, only this user can connect), made here
+    so that a drain can connect before the session binds; the folder goes when the process exits (a fixed path in
+    /tmp left a socket file behind every run)."""
+    endpoint, folder = bind_address(None, allow_remote=False)
+    atexit.register(remove_private, folder)
+    return endpoint
 
 
 DRAIN = textwrap.dedent("""
@@ -216,8 +212,7 @@ def decode_overhead(placement: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             lm = LanguageModel(model, tokenizer=AutoTokenizer.from_pretrained(ROOT / "probebus/models/default"))
-    endpoints = {"probebus": private_ipc("bus"), "naive": f"tcp://127.0.0.1:{ARGS.port}",
-                 "probebus-live": private_ipc("live")}
+    endpoints = {"probebus": private_ipc(), "naive": f"tcp://127.0.0.1:{ARGS.port}", "probebus-live": private_ipc()}
     endpoints = {m: e for m, e in endpoints.items() if m in modes}
     children = [subprocess.Popen([sys.executable, "-c", DRAIN, m, e]) for m, e in endpoints.items()]
     zmq.Context.instance().socket(zmq.PAIR).close()  # ZeroMQ's global I/O thread starts here, on the other cores

@@ -183,7 +183,7 @@ def main() -> None:
     model = model.to(ARGS.device, getattr(torch, ARGS.dtype))
     if ARGS.compiled:
         model.forward = torch.compile(model.forward, fullgraph=True, mode=ARGS.compile_mode)
-    endpoints = {"probebus": private_ipc("bus"), "probebus-live": private_ipc("live"),
+    endpoints = {"probebus": private_ipc(), "probebus-live": private_ipc(),
                  "naive": f"tcp://127.0.0.1:{ARGS.port}"}
     children = [subprocess.Popen([sys.executable, "-c", DRAIN, m, e]) for m, e in endpoints.items()
                 if m in ARGS.modes]

@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -52,10 +50,10 @@ def main() -> None:
     import vllm
 
     import probe.vllm
+    from probe._endpoint import bind_address, remove_private
     from probebus.models import DEFAULT_MODEL_DIR
 
-    folder = tempfile.mkdtemp(prefix="probebus-vllm-engines-")
-    endpoint = f"ipc://{folder}/bus"
+    endpoint, folder = bind_address(None, allow_remote=False)  # a session's default: a 0700 folder of its own
     drain = subprocess.Popen([sys.executable, "-c", DRAIN, endpoint, "1"])
     try:
         engines: dict[str, object] = {}
@@ -115,7 +113,7 @@ def main() -> None:
             llm.llm_engine.engine_core.shutdown()  # type: ignore[attr-defined]
     finally:
         drain.kill()
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_private(folder)
 
 
 if __name__ == "__main__":

@@ -97,10 +97,14 @@ def _on_sigint(signum: int, frame: types.FrameType | None) -> None:
         # C code that torch runs while it imports swallows it or aborts on it. Seen with 2-4 busy processes beside
         # a start-up: rc 0 after generating all it was asked (3 of 148 runs), rc -6 (2 of 148). Nothing of the
         # command is running yet: leave now.
-        signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # a second Ctrl-C while exiting: no traceback
-        print(f"{_command}: interrupted", file=sys.stderr)
+        _say_interrupted()
         _exit_interrupted()
     raise KeyboardInterrupt
+
+
+def _say_interrupted() -> None:
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # a second Ctrl-C while exiting: no traceback
+    print(f"{_command}: interrupted", file=sys.stderr)
 
 
 def _importing(frame: types.FrameType | None) -> bool:
@@ -118,19 +122,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     `ImportError: cannot load module more than once per process`, and an uncaught KeyboardInterrupt gave a
     traceback (rc -2): both are reported as the interruption they are."""
     global _command, _own_process
-    command = "probebus"
+    _command, _own_process = "probebus", argv is None
     try:
         words = list(sys.argv[1:] if argv is None else argv)
-        command = _command = f"probebus {next((w for w in words if not w.startswith('-')), '')}".strip()
-        _own_process = argv is None
+        _command = f"probebus {next((w for w in words if not w.startswith('-')), '')}".strip()
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when a caller set its own
             signal.signal(signal.SIGINT, _on_sigint)
         return _main(argv)
     except BaseException as exc:
         if not (_interrupted or isinstance(exc, KeyboardInterrupt)) or isinstance(exc, SystemExit):
             raise
-        signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # a second Ctrl-C while exiting: no traceback
-        print(f"{command}: interrupted", file=sys.stderr)
+        _say_interrupted()
         if argv is None:  # the process's own entry point (not a caller's main([...]))
             _exit_interrupted()
         return 130
