@@ -4,9 +4,11 @@
     with probe.attach(model, "layers.*.resid_post") as s:
         model.generate(**inputs, cache_implementation="static")     # captured as in eager mode
 
-While Dynamo traces a tapped module (`torch.compiler.is_compiling()`), a site's tap does not run
-the copy path: it appends `(site index, tensor)` to a list of its own (`Hooks._slots`), which the step's end
-gathers (`Hooks._gather`).
+While Dynamo traces a tapped module (`torch.compiler.is_compiling()`), its wrapper does not run the
+site taps: it appends `(module, is_input, tensor)` to one global list (`_hooks._traced`, through
+`_hooks._stage_traced`), which the step's end hands to the sessions whose sites are on that module
+(`_hooks.route_traced`, `Hooks._gather`). (A wrapper that also carries callbacks other than site taps
+runs them, and each site tap appends its tensor to a list of its own, `Hooks._slots`.)
 Dynamo records that as a side effect of the graph: the tensor becomes one more output of the
 graph, and once the graph has run the list holds the real tensors. The graph stays whole
 (`fullgraph=True` holds), Inductor compiles the model as it would without probes, and nothing
@@ -22,7 +24,8 @@ compile with `fullgraph=True` and the hooks run outside the graph (tested with a
 
 Recompiles: Dynamo guards on a module's `forward`, so attaching to a model compiled earlier
 compiles it once more with the taps in it (each graph: the prefill's and the decode step's). A
-tap carries only constants that stay the same when it is put back (`number`), so taking the taps
+tapped module's wrapper is one of three functions (what it stages: output, input, both), the same code
+whichever session puts it back, so taking the taps
 off (close, pause) goes back to the graphs compiled without them, and putting the same set back
 (resume, a second session) finds its graphs in Dynamo's cache: neither compiles anything. Each
 other set of tapped modules (another site list, `remove()` of a module's last site) is one more

@@ -47,15 +47,51 @@ DEFER_ROWS = 64  # steps of at most this many rows (decode steps) are captured a
 
 class _Taps:
     """A module's wrapped forward: callbacks before and after the forward it had (`prev`: its own instance
-    attribute, if something had already replaced it; None: the class's)."""
+    attribute, if something had already replaced it; None: the class's), and where each of the session's site hooks
+    stages its tensor when torch.compile traces the module (`sinks`, see `_stage_traced`)."""
 
-    __slots__ = ("pre", "post", "prev", "wrapper")
+    __slots__ = ("pre", "post", "prev", "wrapper", "sinks", "kind")
 
     def __init__(self, prev: object) -> None:
         self.pre: list[Callable] = []  # fn(module, args, kwargs)
         self.post: list[Callable] = []  # fn(module, args, output)
         self.prev = prev
         self.wrapper: object = None
+        self.sinks: dict[Callable, tuple[list, int]] = {}  # a site hook -> (its session's staged list, its number)
+        self.kind: tuple[bool, bool] | None = None  # what the wrapper stages when traced (None: it runs the callbacks)
+
+
+# What the taps traced by torch.compile stage: (module, its input?, tensor), appended as a side effect of the graph
+# (`_compiled.py`) and handed to the sessions' slots at a step's end (`route_traced`). One global, read by every tap:
+# Dynamo checks it once per call, where a list reached through each tap was a chain of guards per tap per step.
+_traced: list[tuple[nn.Module, bool, object]] = []
+
+
+def route_traced() -> None:
+    """Hand what traced taps staged, as (site number, tensor), to the staged list of each session whose site hook
+    is on the module (dropped where none is left)."""
+    items = _traced[:]
+    del _traced[: len(items)]  # (another thread's graph may have appended since: those stay for it)
+    for module, is_input, t in items:
+        taps = module.__dict__.get(_TAPS)
+        if taps is not None:
+            sinks = taps.sinks
+            for f in taps.pre if is_input else taps.post:
+                sink = sinks.get(f)
+                if sink is not None:
+                    sink[0].append((sink[1], t))
+
+
+def _stage_traced(self: nn.Module, args: tuple, kwargs: dict, stage_in: bool, stage_out: bool) -> Any:
+    """A tapped module's call while Dynamo traces it: the class's forward, with its input and/or output appended to
+    `_traced`. Dynamo guards what this reads: the module (already guarded), `type(self).forward` and two globals, so
+    a tap adds the few guards of its wrapper and nothing per callback or slot (docs/design.md, "A tap under Dynamo")."""
+    if stage_in:
+        _traced.append((self, True, args[0] if args else kwargs.get("hidden_states")))
+    out = type(self).forward(self, *args, **kwargs)
+    if stage_out:
+        _traced.append((self, False, out[0] if isinstance(out, (tuple, list)) else out))
+    return out
 
 
 class TapHandle:
@@ -69,7 +105,11 @@ class TapHandle:
         taps, module = self.taps, self.module
         if any(f is self.fn for f in self.callbacks):
             self.callbacks.remove(self.fn)
-        if taps.pre or taps.post or module.__dict__.get("forward") is not taps.wrapper:
+        taps.sinks.pop(self.fn, None)
+        ours = module.__dict__.get("forward") is taps.wrapper
+        if (taps.pre or taps.post) and ours:
+            _wrap(module, taps)  # what the traced wrapper stages may have changed
+        if taps.pre or taps.post or not ours:
             return
         if taps.prev is None:
             del module.forward
@@ -78,9 +118,13 @@ class TapHandle:
         del module.__dict__[_TAPS]
 
 
-def tap(module: nn.Module, fn: Callable, *, pre: bool) -> object:
+def tap(module: nn.Module, fn: Callable, *, pre: bool, sink: tuple[list, int] | None = None) -> object:
     """`fn(module, args, kwargs)` before the module's forward (`pre`), or `fn(module, args, output)` after it;
-    returns a handle with `remove()`. Falls back to a hook when the module has hooks of its own."""
+    returns a handle with `remove()`. Falls back to a hook when the module has hooks of its own.
+
+    `sink`: (a list, a number) for a session's site hook, which stages its tensor itself when Dynamo traces it:
+    while every callback on the module has one, the traced wrapper stages the tensor instead of calling them, and
+    `route_traced` appends (number, tensor) to the list once the graph has run."""
     taps = module.__dict__.get(_TAPS)
     if taps is None:
         if module._forward_hooks or module._forward_pre_hooks:
@@ -88,40 +132,86 @@ def tap(module: nn.Module, fn: Callable, *, pre: bool) -> object:
                 return module.register_forward_pre_hook(fn, with_kwargs=True)
             return module.register_forward_hook(fn)
         taps = _Taps(module.__dict__.get("forward"))
-        pres, posts = taps.pre, taps.post
-        wrapper: Callable
-        if taps.prev is None:  # the class's forward: the wrapper is bound to the module, as that forward is
-            own = type(module).forward
-
-            @functools.wraps(own)  # keeps the signature: transformers inspects forward's parameters
-            def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-                for f in pres:
-                    f(self, args, kwargs)
-                out = own(self, *args, **kwargs)
-                for f in posts:
-                    f(self, args, out)
-                return out
-            # Bound, not closing over the module: a closure's reference to it (or a bound method's) is the module
-            # reached by a second path, which Dynamo checks with a guard in Python per tap per step.
-            wrapper = types.MethodType(forward, module)
-        else:  # a forward of the instance's own (someone's wrapper, a compiled function)
-            inner = taps.prev
-
-            @functools.wraps(inner)  # type: ignore[arg-type]
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                for f in pres:
-                    f(module, args, kwargs)
-                out = inner(*args, **kwargs)  # type: ignore[operator]
-                for f in posts:
-                    f(module, args, out)
-                return out
-
-        taps.wrapper = wrapper
-        module.forward = wrapper
         module.__dict__[_TAPS] = taps
+    elif module.__dict__.get("forward") is not taps.wrapper:  # someone wrapped ours since: a hook keeps its place
+        return module.register_forward_pre_hook(fn, with_kwargs=True) if pre else module.register_forward_hook(fn)
     callbacks = taps.pre if pre else taps.post
     callbacks.append(fn)
+    if sink is not None:
+        taps.sinks[fn] = sink
+    _wrap(module, taps)
     return TapHandle(module, taps, callbacks, fn)
+
+
+def _wrap(module: nn.Module, taps: _Taps) -> None:
+    """(Re)place the module's forward by the wrapper its callbacks need: one that, traced by Dynamo, stages what
+    they would take (the class's forward, every callback a site hook with a slot), or one that calls them."""
+    pres, posts = taps.pre, taps.post
+    kind = None
+    if taps.prev is None and all(f in taps.sinks for f in pres) and all(f in taps.sinks for f in posts):
+        kind = (bool(pres), bool(posts))
+    if taps.wrapper is not None and kind == taps.kind:
+        return
+    taps.kind = kind
+    wrapper: Callable
+    if kind is not None:  # the class's forward: the wrapper is bound to the module, as that forward is
+        own = type(module).forward
+
+        def run(self: nn.Module, args: tuple, kwargs: dict) -> Any:
+            for f in pres:
+                f(self, args, kwargs)
+            out = own(self, *args, **kwargs)
+            for f in posts:
+                f(self, args, out)
+            return out
+
+        # One function per kind, so that what a traced wrapper stages is in its code (a constant to Dynamo, compared by
+        # the guard on the code it already has), not in a closure cell or attribute it would guard per tap.
+        if kind == (False, True):
+            def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                if _compiling():
+                    return _stage_traced(self, args, kwargs, False, True)
+                return run(self, args, kwargs)
+        elif kind == (True, False):
+            def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                if _compiling():
+                    return _stage_traced(self, args, kwargs, True, False)
+                return run(self, args, kwargs)
+        else:
+            def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                if _compiling():
+                    return _stage_traced(self, args, kwargs, True, True)
+                return run(self, args, kwargs)
+        functools.update_wrapper(forward, own)  # keeps the signature: transformers inspects forward's parameters
+        # Bound, not closing over the module: a closure's reference to it (or a bound method's) is the module
+        # reached by a second path, which Dynamo checks with a guard in Python per tap per step.
+        wrapper = types.MethodType(forward, module)
+    elif taps.prev is None:
+        own = type(module).forward
+
+        @functools.wraps(own)
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            for f in pres:
+                f(self, args, kwargs)
+            out = own(self, *args, **kwargs)
+            for f in posts:
+                f(self, args, out)
+            return out
+        wrapper = types.MethodType(forward, module)
+    else:  # a forward of the instance's own (someone's wrapper, a compiled function)
+        inner = taps.prev
+
+        @functools.wraps(inner)  # type: ignore[arg-type]
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            for f in pres:
+                f(module, args, kwargs)
+            out = inner(*args, **kwargs)  # type: ignore[operator]
+            for f in posts:
+                f(module, args, out)
+            return out
+
+    taps.wrapper = wrapper
+    module.forward = wrapper
 
 
 def tapped(model: nn.Module) -> int:
@@ -165,9 +255,9 @@ class Hooks:
         # What taps traced by torch.compile stage: (the site's `_compiled.number`, tensor), filled once the graph
         # has run (`_compiled.py`).
         self._staged: list[tuple[int, torch.Tensor]] = []
-        # Each traced tap's own list (with its site's number), gathered into `_staged` at the step's end: one list
-        # shared by every tap is one object reached through each tap's closure, which Dynamo checks with a guard in
-        # Python per tap per step.
+        # Each site hook's own list (with its site's number), where it stages its tensor when Dynamo traces it (not
+        # the usual case: `_stage_traced`), gathered into `_staged` at the step's end: one list shared by every hook
+        # is one object reached through each hook's closure, which Dynamo checks with a guard in Python per tap.
         self._slots: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self._keys: dict[int, SiteKey] = {}
         self._fired = 0  # captures taken in this step outside the deferred list (see `_on_step_end`)
@@ -210,7 +300,8 @@ class Hooks:
                 self._keys[index] = key
                 slot: list[torch.Tensor] = []
                 self._slots[site] = (index, slot)
-                self._handles[site] = tap(point.module, self._site_hook(key, pre, slot), pre=pre)
+                self._handles[site] = tap(point.module, self._site_hook(key, pre, slot), pre=pre,
+                                         sink=(self._staged, index))
                 self.active.add(site)
         else:
             for site in names:
@@ -301,9 +392,12 @@ class Hooks:
             self._warn_once(repr(type(exc)), f"probebus: sending a step's captures failed: {exc!r}")
 
     def _gather(self) -> bool:
-        """Move what the traced taps staged this step into `_staged` as (site number, tensor), in the order the
-        sites were added; True if any."""
-        staged, n = self._staged, len(self._staged)
+        """Move what the traced taps staged this step into `_staged` as (site number, tensor): the wrappers' (in the
+        order the graph ran them), then the site hooks' own slots (in the order the sites were added); True if any."""
+        staged = self._staged
+        n = len(staged)
+        if _traced:
+            route_traced()
         for number, slot in self._slots.values():
             if slot:
                 staged += [(number, t) for t in slot]
@@ -314,14 +408,11 @@ class Hooks:
         """The tap of one site: before its module's forward (`pre`: the tensor is its input) or after it.
 
         A closure over what it reads: between the model's layers every object a hook touches is a cache miss,
-        and a partial of a bound method touched three more than this. Traced by torch.compile, it stages the tensor
-        in its own `slot` for the step's end instead (`_gather`, `_take_staged`, `_compiled.py`).
-
-        What the traced branch reads, Dynamo checks before every call of the compiled forward, through the layer's
-        `forward`, its closure and this one: each object on that path is a node of its guard tree (~0.3 us each on
-        a cold step). So it reads as little as it can: a global `_compiling` (one check for every tap), its
-        `slot` (nothing else: `_gather` knows whose slot it is), and no `pre` flag (one closure per kind)
-        (docs/design.md, "A tap under Dynamo")."""
+        and a partial of a bound method touched three more than this. Under torch.compile the module's wrapper
+        usually stages the tensor without calling this (`_stage_traced`); where it does call it (a wrapper with
+        other callbacks, a module with hooks of its own), this stages the tensor in its own `slot` for the step's
+        end (`_gather`, `_take_staged`, `_compiled.py`), reading as little as it can: what it reads, Dynamo checks
+        before every call of the compiled forward (docs/design.md, "A tap under Dynamo")."""
         active, name, tensor, capture = self.active, key.name, torch.Tensor, self._capture
 
         def take(t: object) -> None:  # eager mode: defer to the step's end or capture now (as `_take_staged` does)

@@ -46,7 +46,8 @@ def _generate(model: torch.nn.Module, cache: str, sample: bool) -> torch.Tensor:
                               pad_token_id=PAD, do_sample=sample, **kw)
 
 
-def _check_against_oracle(model: torch.nn.Module, gen: torch.Tensor, caps: list[probe.Capture]) -> None:
+def _check_against_oracle(model: torch.nn.Module, gen: torch.Tensor, caps: list[probe.Capture],
+                          sites: list[str] = SITES) -> None:
     """Every capture equals the oracle of its row's real sequence at its position; every site x fed token once."""
     model.__dict__.pop("forward", None)  # the oracle runs eager (the compiled forward is an instance attribute)
     width = left_padded(PROMPTS)[0].shape[1]
@@ -63,7 +64,7 @@ def _check_against_oracle(model: torch.nn.Module, gen: torch.Tensor, caps: list[
             assert int(cap.token_ids[row]) == seqs[b][pos]
             torch.testing.assert_close(cap.tensor[row], oracles[b][cap.site][pos], atol=1e-4, rtol=1e-4,
                                        msg=lambda m, key=key: f"{key}: {m}")
-    n_sites = len(probe.match_sites(model, SITES))
+    n_sites = len(probe.match_sites(model, sites))
     assert len(seen) == sum(len(s) - 1 for s in seqs) * n_sites  # the last token is never fed
     assert {c.phase for c in caps} == {"prefill", "decode"}
 
@@ -125,6 +126,33 @@ def test_pause_resume_close_and_a_second_session_reuse_the_compiled_graphs() -> 
     with probe.attach(model, "layers.*.resid_post") as second:
         assert run(second) == per_generate
     assert graphs() == probed, "pause, resume, close and a second attach compiled nothing"
+
+
+def test_two_sessions_on_one_compiled_model_each_get_their_own_sites() -> None:
+    """Two sessions whose sites share modules (layer 0 tapped before and after by one, after by both): each gets its
+    own sites' captures, as eager computes them, from the same graph outputs; once one closes, the other keeps
+    capturing exactly its own."""
+    model = build("llama", layers=2)
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    eager = _generate(model, "static", False)
+    sites_a, sites_b = ["layers.*.resid_post"], ["layers.0.resid_pre", "layers.*.resid_post"]
+    a, b = probe.attach(model, sites_a), probe.attach(model, sites_b)
+    subs = [probe.Subscriber(s.endpoint) for s in (a, b)]
+    for s, sub in zip((a, b), subs, strict=True):
+        s.wait_for(sub)
+    gen = _generate(model, "static", False)
+    b.close()
+    a.flush()
+    caps_a, caps_b = (list(sub.iter(idle_timeout=2.0)) for sub in subs)
+    later = _generate(model, "static", False)
+    a.close()
+    caps_later = list(subs[0].iter(idle_timeout=2.0))
+    for sub in subs:
+        sub.close()
+    assert torch.equal(gen, eager) and torch.equal(later, eager)
+    _check_against_oracle(model, gen, caps_a, sites_a)
+    _check_against_oracle(model, gen, caps_b, sites_b)
+    _check_against_oracle(model, later, caps_later, sites_a)
 
 
 def test_a_compiled_call_keeps_each_step_identity() -> None:
