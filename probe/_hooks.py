@@ -335,6 +335,9 @@ class Hooks:
         if ref is None:
             self._ident = None
             return
+        if _traced and self._ident is not None:  # the last compiled forward raised after its graph had run: what it
+            self._gather()  # staged goes out as that step's, and Dynamo's guard finds the list empty again
+            self._take_staged()
         if self._deferred:  # the last forward raised before its end: its captures still go out
             self._end_deferred()
         self._copy.in_step = True  # no other thread packs waiting steps until this one ends (`_pending.py`)

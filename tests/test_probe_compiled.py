@@ -155,6 +155,39 @@ def test_two_sessions_on_one_compiled_model_each_get_their_own_sites() -> None:
     _check_against_oracle(model, later, caps_later, sites_a)
 
 
+def test_a_compiled_forward_that_raises_after_its_graph_loses_nothing_and_compiles_nothing() -> None:
+    """A hook of the user's raises after the compiled forward, so the session's step end never runs: the next
+    forward sends that step's captures first, and finds its graph in Dynamo's cache (the staged tensors left waiting
+    would have failed its guard and compiled the forward again)."""
+    model = build("llama", layers=2)
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    failing = [True]
+
+    def user_hook(module: torch.nn.Module, args: tuple, out: object) -> None:
+        if failing.pop() if failing else False:
+            raise RuntimeError("the user's hook")
+    model.register_forward_hook(user_hook)  # before attach: it runs before the session's step end
+    ids = torch.tensor([PROMPTS[0]])
+    with probe.attach(model, "layers.*.resid_post") as session:
+        sub = probe.Subscriber(session.endpoint)
+        session.wait_for(sub)
+        with torch.no_grad():
+            with pytest.raises(RuntimeError, match="the user's hook"):
+                model(ids)
+            compiled = graphs()
+            model(ids)
+        assert graphs() == compiled, "the second forward found its graph"
+    caps = list(sub.iter(idle_timeout=2.0))
+    sub.close()
+    assert len(caps) == 2 * 2 and len({c.step for c in caps}) == 2
+    assert session.stats.captured == session.stats.published == 4 and session.stats.dropped == 0
+    model.__dict__.pop("forward")
+    oracle = {k: v[0] for k, v in oracle_activations(model, ids).items()}
+    for cap in caps:
+        assert cap.positions.tolist() == list(range(len(PROMPTS[0])))
+        torch.testing.assert_close(cap.tensor, oracle[cap.site], atol=1e-4, rtol=1e-4)
+
+
 def test_a_compiled_call_keeps_each_step_identity() -> None:
     """The whole `__call__` compiled, fullgraph (the step hooks run outside the graph), a hand-written decode loop
     over a dynamic cache: positions, tokens and values as eager computes them."""
