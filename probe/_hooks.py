@@ -62,8 +62,8 @@ class _Taps:
 
 
 # What the taps traced by torch.compile stage: (module, its input?, tensor), appended as a side effect of the graph
-# (`_compiled.py`) and handed to the sessions' slots at a step's end (`route_traced`). One global, read by every tap:
-# Dynamo checks it once per call, where a list reached through each tap was a chain of guards per tap per step.
+# (`_compiled.py`) and handed to the sessions' staged lists at a step's end (`route_traced`). One global, read by
+# every tap: Dynamo checks it once per call, where a list reached through each tap was a chain of guards per tap.
 _traced: list[tuple[nn.Module, bool, object]] = []
 
 
@@ -145,7 +145,7 @@ def tap(module: nn.Module, fn: Callable, *, pre: bool, sink: tuple[list, int] | 
 
 def _wrap(module: nn.Module, taps: _Taps) -> None:
     """(Re)place the module's forward by the wrapper its callbacks need: one that, traced by Dynamo, stages what
-    they would take (the class's forward, every callback a site hook with a slot), or one that calls them."""
+    they would take (the class's forward, every callback a site hook with a sink), or one that calls them."""
     pres, posts = taps.pre, taps.post
     kind = None
     if taps.prev is None and all(f in taps.sinks for f in pres) and all(f in taps.sinks for f in posts):
@@ -154,10 +154,11 @@ def _wrap(module: nn.Module, taps: _Taps) -> None:
         return
     taps.kind = kind
     wrapper: Callable
-    if kind is not None:  # the class's forward: the wrapper is bound to the module, as that forward is
+    if taps.prev is None:  # the class's forward: the wrapper is bound to the module, as that forward is
         own = type(module).forward
 
-        def run(self: nn.Module, args: tuple, kwargs: dict) -> Any:
+        @functools.wraps(own)  # keeps the signature: transformers inspects forward's parameters
+        def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             for f in pres:
                 f(self, args, kwargs)
             out = own(self, *args, **kwargs)
@@ -167,36 +168,25 @@ def _wrap(module: nn.Module, taps: _Taps) -> None:
 
         # One function per kind, so that what a traced wrapper stages is in its code (a constant to Dynamo, compared by
         # the guard on the code it already has), not in a closure cell or attribute it would guard per tap.
+        forward = call
         if kind == (False, True):
             def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 if _compiling():
                     return _stage_traced(self, args, kwargs, False, True)
-                return run(self, args, kwargs)
+                return call(self, *args, **kwargs)
         elif kind == (True, False):
             def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 if _compiling():
                     return _stage_traced(self, args, kwargs, True, False)
-                return run(self, args, kwargs)
-        else:
+                return call(self, *args, **kwargs)
+        elif kind == (True, True):
             def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 if _compiling():
                     return _stage_traced(self, args, kwargs, True, True)
-                return run(self, args, kwargs)
-        functools.update_wrapper(forward, own)  # keeps the signature: transformers inspects forward's parameters
+                return call(self, *args, **kwargs)
+        functools.update_wrapper(forward, own)
         # Bound, not closing over the module: a closure's reference to it (or a bound method's) is the module
         # reached by a second path, which Dynamo checks with a guard in Python per tap per step.
-        wrapper = types.MethodType(forward, module)
-    elif taps.prev is None:
-        own = type(module).forward
-
-        @functools.wraps(own)
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            for f in pres:
-                f(self, args, kwargs)
-            out = own(self, *args, **kwargs)
-            for f in posts:
-                f(self, args, out)
-            return out
         wrapper = types.MethodType(forward, module)
     else:  # a forward of the instance's own (someone's wrapper, a compiled function)
         inner = taps.prev
