@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _stats import bootstrap_median  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
 def private_ipc() -> str:
     """A session's default endpoint (`bind_address`: ipc:// in a 0700 folder, only this user can connect), made here
     so that a drain can connect before the session binds; the folder goes when the process exits (a fixed path in

@@ -161,10 +161,11 @@ def test_a_compiled_forward_that_raises_after_its_graph_loses_nothing_and_compil
     would have failed its guard and compiled the forward again)."""
     model = build("llama", layers=2)
     model.forward = torch.compile(model.forward, fullgraph=True)
-    failing = [True]
+    failing = [True]  # the first call only
 
     def user_hook(module: torch.nn.Module, args: tuple, out: object) -> None:
-        if failing.pop() if failing else False:
+        if failing:
+            failing.pop()
             raise RuntimeError("the user's hook")
     model.register_forward_hook(user_hook)  # before attach: it runs before the session's step end
     ids = torch.tensor([PROMPTS[0]])
