@@ -8,7 +8,10 @@ that runs after them on caches they and `generate` have used), where a run's spr
 the compiled `model.forward` of one decode step of a static-cache `generate` again and again (the cache's
 length put back before each call), in blocks that switch the session's taps on and off (the first call of a
 block left out: it pays the switch), with the step hooks out of the way: the difference is what the tapped
-graph itself costs. The model's thread alone on core 0, 1 torch thread.
+graph itself costs. The plain calls run the graph compiled before attach, with the session's taps taken off:
+nothing of probebus runs in them, though the session (its idle threads) stays attached; no probe is attached
+while that graph compiles. The model's thread alone on core 0, 1 torch thread (the whole process is pinned there:
+this measures the graph, not how the bus shares cores; `paired_steps.py` and `overhead.py --placement shared` do).
 """
 
 from __future__ import annotations
